@@ -1,0 +1,71 @@
+"""``ConsoleLogger``: one plain line of metrics every few steps, from global rank 0."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+__all__ = ["ConsoleLogger"]
+
+
+class ConsoleLogger(Callback):
+    """Print ``step 120/300 | train/loss 2.3415 | lr 2.9e-03 | 1.82 s/10 steps`` lines.
+
+    Meant for logs and non-interactive terminals, where a progress bar is noise. Reads the
+    metrics already logged through ``self.log`` (``trainer.callback_metrics``), so it adds no
+    synchronisation; prints on global rank 0 only.
+
+    Args:
+        every_n_steps: print after every this many optimizer steps (and after the last one).
+        metrics: names of logged metrics to print, in order; missing ones are skipped.
+    """
+
+    def __init__(self, every_n_steps: int = 25, metrics: tuple[str, ...] | list[str] = ("train/loss",)) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.metrics = tuple(metrics)
+        self._last_time: float | None = None
+        self._last_step = 0
+
+    @staticmethod
+    def _fmt(name: str, value: Any) -> str:
+        value = float(value)
+        return f"{name} {value:.4f}" if abs(value) >= 1e-3 else f"{name} {value:.3e}"
+
+    @override
+    @rank_zero_only
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_time, self._last_step = time.perf_counter(), trainer.global_step
+
+    @override
+    @rank_zero_only
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        last = step == trainer.max_steps
+        if step == self._last_step or (step % self.every_n_steps and not last):
+            return
+        parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
+        parts += [self._fmt(m, trainer.callback_metrics[m]) for m in self.metrics if m in trainer.callback_metrics]
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
+        now = time.perf_counter()
+        if self._last_time is not None:
+            parts.append(f"{(now - self._last_time) / (step - self._last_step):.3f} s/step")
+        self._last_time, self._last_step = now, step
+        print(" | ".join(parts), flush=True)
+
+    @override
+    @rank_zero_only
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        values = [self._fmt(k, v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")]
+        if values:
+            print(f"validation at step {trainer.global_step} | " + " | ".join(values), flush=True)

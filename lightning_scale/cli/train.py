@@ -1,0 +1,189 @@
+"""``lightning-scale-train``: compose the Hydra config, check it, and train.
+
+Lightning's subprocess launcher starts each extra rank by re-running ``sys.argv``. Left alone,
+every child would compose the config again (``${now:}`` resolves per process, hydra #2070) and,
+inside ``--multirun``, re-run the whole sweep (Lightning #11300, #18175). So the launching process
+resolves the config once, writes it to ``<run_dir>/resolved_config.yaml`` and names it in
+``LIGHTNING_SCALE_RESOLVED_CONFIG``; a child (``LOCAL_RANK`` set) that finds that variable loads
+the file and never enters Hydra. All processes share the one absolute ``run_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["RESOLVED_CONFIG_ENV", "build", "main", "planned_data_parallel_size", "run"]
+
+RESOLVED_CONFIG_ENV = "LIGHTNING_SCALE_RESOLVED_CONFIG"
+SUMMARY_FILE = "summary.json"
+
+
+def _device_count(devices: Any, accelerator: str) -> int:
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return len(devices)
+    if isinstance(devices, str):
+        if devices.strip().lstrip("-").isdigit():
+            return int(devices)
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()])
+        if devices == "auto" and accelerator in ("gpu", "cuda"):
+            import torch
+
+            return max(torch.cuda.device_count(), 1)
+        return 1
+    raise ValueError(f"trainer.devices={devices!r} is not a count, a list of device ids, or 'auto'")
+
+
+def planned_data_parallel_size(cfg: DictConfig) -> int:
+    """Data-parallel ranks the run will have, from the config alone (before any process starts)."""
+    trainer = cfg.trainer
+    world = _device_count(trainer.get("devices", 1), str(trainer.get("accelerator", "cpu"))) * int(
+        trainer.get("num_nodes", 1)
+    )
+    if world == -1:  # devices=-1: all of them
+        return 1
+    strategy = cfg.get("strategy") or {}
+    other = int(strategy.get("tensor_parallel", 1) or 1) * int(strategy.get("pipeline_parallel", 1) or 1)
+    data_parallel = strategy.get("data_parallel")
+    if isinstance(data_parallel, int):
+        return data_parallel
+    return max(world // max(other, 1), 1)
+
+
+class _ValidationRecord:
+    """Remembers the last validation loss of the fit and the step it was taken at."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch import Callback
+
+        record = self
+
+        class _Callback(Callback):
+            def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+                if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
+                    record.step = trainer.global_step
+                    record.loss = float(trainer.callback_metrics["val/loss"])
+
+        self.callback = _Callback()
+        self.step: int | None = None
+        self.loss: float | None = None
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
+    """Instantiate (module, datamodule, trainer) after checking everything checkable up front.
+
+    Raises ``ValueError`` for bad input before any process group or child process exists.
+    """
+    from hydra.utils import instantiate
+
+    model_config = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
+    if datamodule.seq_len > model_config.block_size:
+        raise ValueError(
+            f"data.seq_len={datamodule.seq_len} exceeds the model's context model.block_size="
+            f"{model_config.block_size}. Set data.seq_len<={model_config.block_size} or raise model.block_size."
+        )
+    dp_size = planned_data_parallel_size(cfg)
+    datamodule.check_data_parallel(dp_size)
+    if datamodule.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"The data has token ids up to {datamodule.vocab_size - 1} but model.vocab_size="
+            f"{model_config.vocab_size}. Set model.vocab_size>={datamodule.vocab_size}."
+        )
+
+    from lightning.pytorch import seed_everything
+
+    seed_everything(int(cfg.seed), workers=True, verbose=False)
+    module = instantiate(cfg.module, model_config)
+    record = _ValidationRecord()
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=instantiate(cfg.strategy),
+        callbacks=[*callbacks, record.callback],
+        logger=loggers or False,
+    )
+    return module, datamodule, trainer, record
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns (and on global rank 0 writes) the run summary."""
+    start = time.perf_counter()
+    module, datamodule, trainer, record = build(cfg)
+    if trainer.is_global_zero:
+        params = module.model.num_parameters()
+        print(
+            f"lightning-scale-train: {params / 1e6:.2f}M parameters | {trainer.world_size} process(es) | "
+            f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}",
+            flush=True,
+        )
+    summary: dict[str, Any] = {}
+    if cfg.validate_before_fit:
+        summary["initial_val_loss"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path == "last":
+        ckpt_path = str(Path(cfg.run_dir) / "checkpoints" / "last.ckpt")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if cfg.validate_after_fit:
+        if record.step == trainer.global_step and record.loss is not None:
+            summary["final_val_loss"] = record.loss  # the fit already validated the final weights
+        else:
+            summary["final_val_loss"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    summary.update(
+        global_step=trainer.global_step,
+        world_size=trainer.world_size,
+        num_parameters=module.model.num_parameters(),
+        elapsed_s=round(time.perf_counter() - start, 2),
+    )
+    if "train/loss" in trainer.callback_metrics:
+        summary["final_train_loss"] = float(trainer.callback_metrics["train/loss"])
+    if trainer.is_global_zero:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        print("summary: " + json.dumps(summary), flush=True)
+    return summary
+
+
+def _hydra_entry() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(version_base="1.3", config_path="pkg://lightning_scale.conf", config_name="config")
+    def _main(cfg: DictConfig) -> None:
+        run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+        cfg.run_dir = str(run_dir)
+        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "resolved_config.yaml"
+        OmegaConf.save(resolved, path)
+        os.environ[RESOLVED_CONFIG_ENV] = str(path)
+        run(resolved)
+
+    _main()
+
+
+def main() -> None:
+    """Console entry point."""
+    # Lightning 2.6's pytree helper trips torch>=2.10's LeafSpec deprecation on every batch transfer.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    resolved = os.environ.get(RESOLVED_CONFIG_ENV)
+    if resolved and "LOCAL_RANK" in os.environ:
+        # A child started by Lightning's launcher: the parent resolved the config already.
+        run(cast(DictConfig, OmegaConf.load(resolved)))
+        return
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

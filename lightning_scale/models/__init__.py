@@ -1,0 +1,6 @@
+"""Reference models. Users bring their own; nothing in strategies/plugins/callbacks imports this."""
+
+from lightning_scale.models.gpt import GPT, PRESETS, GPTConfig
+from lightning_scale.models.module import GPTLightningModule
+
+__all__ = ["GPT", "PRESETS", "GPTConfig", "GPTLightningModule"]

@@ -1,0 +1,120 @@
+"""``GPTLightningModule``: the reference GPT with AdamW and a warm-up + cosine schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+from lightning_scale.core.schedules import warmup_cosine
+from lightning_scale.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPTLightningModule"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class GPTLightningModule(LightningModule):
+    """Next-token language modelling on ``(inputs, targets)`` batches of token ids.
+
+    Args:
+        config: a :class:`GPTConfig`, a mapping of its fields, or a preset name.
+        learning_rate: peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW decoupled weight decay, applied to matrices only, not to norms or
+            biases.
+        betas, eps: AdamW moments.
+        warmup_steps: linear warm-up length in optimizer steps.
+        min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at the last step
+            (``Trainer.estimated_stepping_batches``).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | Mapping[str, Any] | str = "tiny",
+        *,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        config = GPTConfig.coerce(config)
+        if learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be two numbers (beta1, beta2), got {list(betas)}")
+        # Hyperparameters go into checkpoints as plain data so `load_from_checkpoint` rebuilds the model.
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = dataclasses.asdict(config)
+        self._hparams_initial["config"] = dataclasses.asdict(config)  # what loggers record
+        self.config = config
+        self.model = GPT(config)
+
+    @override
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    @override
+    def setup(self, stage: str) -> None:
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None
+        if seq_len is not None and seq_len > self.config.block_size:
+            raise ValueError(
+                f"data seq_len={seq_len} exceeds the model's context block_size={self.config.block_size}. "
+                f"Lower data.seq_len to at most {self.config.block_size} or raise model.block_size."
+            )
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @override
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        # sync_dist: the logged loss is the mean over the whole global batch, not rank 0's share,
+        # so curves at different data-parallel sizes are comparable. One scalar all-reduce.
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def test_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                # Matrices (linears, embeddings) decay; vectors (norms, biases) do not.
+                (decay if param.dim() >= 2 else no_decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(hp.warmup_steps, total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=hp.min_lr_ratio),
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,65 @@
+"""Fixtures every test gets: its own working directory, a restored environment, no process group
+left behind, a shared cache of prepared data, and a check that the checkout gains no files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _untracked(root: Path) -> set[str]:
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=root, capture_output=True, text=True
+    )
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith("??")} if out.returncode == 0 else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkout_stays_clean() -> Iterator[None]:
+    """Tests write under their tmp_path only; new untracked files in the checkout fail the session."""
+    before = _untracked(ROOT)
+    yield
+    added = sorted(p for p in _untracked(ROOT) - before if "__pycache__" not in p)
+    if added:
+        pytest.fail(f"tests left files in the checkout: {added[:20]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of prepared data for the whole session (the bundled corpus is prepared once)."""
+    return tmp_path_factory.mktemp("lightning_scale_cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    saved_env = dict(os.environ)
+    monkeypatch.chdir(tmp_path)
+    os.environ["LIGHTNING_SCALE_CACHE"] = str(data_cache)
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ["WANDB_DIR"] = str(tmp_path)
+    os.environ["WANDB_SILENT"] = "true"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)

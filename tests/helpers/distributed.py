@@ -1,0 +1,172 @@
+"""Run a test function in N gloo processes on CPU.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
+process group in each through a ``TCPStore`` that *this* process serves on a port the OS picked
+(so there is no free-port race and no retry loop), calls ``fn(rank, world_size, *args)`` and
+returns the per-rank results. The environment Lightning reads (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``) is set, so a ``Trainer(devices=world_size)``
+inside ``fn`` joins the existing group instead of launching processes.
+
+Failure modes it turns into a fast, readable test failure:
+- a rank raises: the others get a few seconds to finish, then every rank's Python stack is
+  dumped (``faulthandler`` on SIGUSR1) and the error shows the exception and all stacks;
+- a hang: after ``timeout`` seconds every rank's stack is dumped and the processes are killed.
+Process groups are always destroyed, processes always reaped.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+_GRACE_AFTER_ERROR_S = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or the group hung; the message holds every rank's traceback or stack."""
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+    stack_file: str,
+    timeout: float,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    with open(stack_file, "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+            value = fn(rank, world_size, *args)
+            # As bytes: tensors sent through a Queue travel as shared-memory handles that vanish
+            # when this process exits before the parent reads them.
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            results.put((rank, True, buffer.getvalue()))
+        except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            faulthandler.unregister(signal.SIGUSR1)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function of a test module).
+    Raises :class:`DistributedTestError` on any rank's failure, or after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    # This process serves the rendezvous store; port 0 lets the OS choose a free port atomically.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="run_distributed-") as tmp:
+        stack_files = [str(Path(tmp) / f"rank{r}.stacks") for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, store.port, fn, args, results, stack_files[r], timeout, dict(env or {})),
+                name=f"rank{r}",
+            )
+            for r in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        outcome: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcome) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs) and len(outcome) < world_size:
+                        # A rank died without reporting (segfault, os._exit): give the rest a moment.
+                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+                    continue
+                outcome[rank] = (ok, value)
+                if not ok:
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+            exit_codes = {r: p.exitcode for r, p in enumerate(procs)}  # before we kill the stragglers
+            stacks = _collect_stacks(procs, stack_files) if len(outcome) < world_size else {}
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(timeout=10)
+            results.close()
+            del store
+
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    if failures or len(outcome) < world_size:
+        lines = [f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}) failed:"]
+        for rank in range(world_size):
+            if rank in failures:
+                lines.append(f"--- rank {rank} raised:\n{failures[rank]}")
+            elif rank not in outcome:
+                code = exit_codes[rank]
+                state = "hung" if code is None else f"exited with code {code}"
+                lines.append(f"--- rank {rank} did not finish ({state}); its stack:\n{stacks.get(rank, '(none)')}")
+        if len(outcome) < world_size and not failures:
+            lines.insert(1, f"timed out after {timeout:.0f} s")
+        raise DistributedTestError("\n".join(lines))
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _collect_stacks(procs: list[Any], stack_files: list[str]) -> dict[int, str]:
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    stacks = {}
+    for rank, path in enumerate(stack_files):
+        try:
+            stacks[rank] = Path(path).read_text().strip() or "(no stack written)"
+        except OSError:
+            stacks[rank] = "(no stack file)"
+    return stacks

@@ -1,0 +1,55 @@
+"""Data parallelism through the harness: dp=2 trains exactly like one process on the same global batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers.distributed import run_distributed
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPTConfig, GPTLightningModule
+
+STEPS = 8
+CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, block_size=32)
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def _train(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    seed_everything(0, verbose=False)
+    losses = _Losses()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto",
+        max_steps=STEPS,
+        limit_val_batches=0,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+    )
+    module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=2)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=8))
+    return losses.losses, {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+
+
+def test_ddp_two_ranks_match_one_process() -> None:
+    single_losses, single_params = _train(0, 1)
+    results = run_distributed(_train, 2, timeout=120)
+    for rank, (losses, params) in enumerate(results):
+        assert len(losses) == STEPS
+        torch.testing.assert_close(losses, single_losses, rtol=1e-5, atol=0, msg=f"rank {rank} loss curve")
+        for name, value in single_params.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    assert single_losses[-1] < single_losses[0]
