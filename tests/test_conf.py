@@ -136,3 +136,14 @@ def test_bf16_precision_runs_on_the_tiny_model(tmp_path: Path) -> None:
     assert summary["global_step"] == 2 and summary["final_val_loss"] < summary["initial_val_loss"]
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_wandb_logger_writes_an_offline_run_and_finishes_it(tmp_path: Path) -> None:
+    import wandb
+
+    run(_compose("debug=fast", "logger=wandb", f"run_dir={tmp_path}"))
+    assert wandb.run is None, "the job left its wandb run open"
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -144,3 +144,13 @@ def test_lightning_module_rejects_bad_optimiser_settings() -> None:
         GPTLightningModule("tiny", learning_rate=0)
     with pytest.raises(ValueError, match=r"betas must be two numbers"):
         GPTLightningModule("tiny", betas=(0.9,))
+
+
+@pytest.mark.gpu
+def test_gpt_trains_a_step_on_cuda_in_bf16() -> None:
+    model = GPT(GPTConfig(positional="rope", n_kv_heads=2)).cuda()
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())

@@ -37,8 +37,8 @@ def _fit(
     torch.manual_seed(0)
     record = _RecordBatches()
     callbacks: list[Callback] = [record]
-    if every:
-        callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1))
+    # The resumed run gets the same checkpoint callback (Lightning restores its state too).
+    callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every or 13, save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -47,7 +47,6 @@ def _fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=bool(every),
         callbacks=callbacks,
         default_root_dir=root,
     )
@@ -67,7 +66,7 @@ def test_mid_epoch_resume_continues_on_the_next_batch(small_data: Path, tmp_path
     # Same schedule length as the full run (the cosine depends on max_steps); resume from step 13.
     first, _, _ = _fit(small_data, tmp_path / "b", max_steps=24, workers=workers, every=13)
     ckpt = next((tmp_path / "b" / "ckpt").glob("*step=13.ckpt"))
-    rest, resumed_module, _ = _fit(small_data, tmp_path / "c", max_steps=24, workers=workers, ckpt_path=str(ckpt))
+    rest, resumed_module, _ = _fit(small_data, tmp_path / "b", max_steps=24, workers=workers, ckpt_path=str(ckpt))
 
     assert first == full
     assert rest == full[13:], "resumed run did not continue on the next batch"

@@ -60,6 +60,23 @@ def planned_data_parallel_size(cfg: DictConfig) -> int:
     return max(world // max(other, 1), 1)
 
 
+def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` that lets a constructor's ``ValueError``/``TypeError`` through.
+
+    Hydra wraps every constructor error in ``InstantiationException``; our checks' messages name
+    the value and the fix, so surface them as they are.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, *args, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, TypeError)):
+            raise err.__cause__ from None
+        raise
+
+
 class _ValidationRecord:
     """Remembers the last validation loss of the fit and the step it was taken at."""
 
@@ -84,10 +101,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
 
     Raises ``ValueError`` for bad input before any process group or child process exists.
     """
-    from hydra.utils import instantiate
-
-    model_config = instantiate(cfg.model)
-    datamodule = instantiate(cfg.data)
+    model_config = _instantiate(cfg.model)
+    datamodule = _instantiate(cfg.data)
     if datamodule.seq_len > model_config.block_size:
         raise ValueError(
             f"data.seq_len={datamodule.seq_len} exceeds the model's context model.block_size="
@@ -104,17 +119,27 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
     from lightning.pytorch import seed_everything
 
     seed_everything(int(cfg.seed), workers=True, verbose=False)
-    module = instantiate(cfg.module, model_config)
+    module = _instantiate(cfg.module, model_config)
     record = _ValidationRecord()
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    trainer = instantiate(
+    callbacks = [_instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = [_instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    trainer = _instantiate(
         cfg.trainer,
-        strategy=instantiate(cfg.strategy),
+        strategy=_instantiate(cfg.strategy),
         callbacks=[*callbacks, record.callback],
         logger=loggers or False,
     )
     return module, datamodule, trainer, record
+
+
+def _finish_wandb(trainer: Any) -> None:
+    """Close this job's wandb run: ``WandbLogger`` never does, so in a multirun every later job
+    would log into the first job's run."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -148,6 +173,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     if "train/loss" in trainer.callback_metrics:
         summary["final_train_loss"] = float(trainer.callback_metrics["train/loss"])
+    _finish_wandb(trainer)
     if trainer.is_global_zero:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
