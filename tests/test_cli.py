@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, build
+from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, build, planned_data_parallel_size
 
 
 def _executable() -> str:
@@ -102,9 +102,25 @@ def _cfg(*overrides: str):
         (["data.global_batch_size=1"], r"global_batch_size=1 is smaller than the number of data-parallel ranks \(2\)"),
         (["data.global_batch_size=3"], r"global_batch_size=3 does not split evenly over 2 data-parallel ranks"),
         (["model.vocab_size=100"], r"token ids up to 255 but model.vocab_size=100. Set model.vocab_size>=256"),
+        (["ckpt_path=last"], r"ckpt_path='last' points to unused/checkpoints/last.ckpt, which does not exist"),
+        (["trainer.devices=0"], r"trainer.devices=0 is not a positive count"),
     ],
 )
 def test_bad_input_is_a_value_error_before_any_process_starts(overrides: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build(_cfg(*overrides))
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], 2),
+        (["trainer.devices=[0,1,2]"], 3),
+        (["trainer.devices='4'"], 4),
+        (["trainer.devices=2", "trainer.num_nodes=3"], 6),
+        (["trainer.devices=1"], 1),
+    ],
+)
+def test_planned_data_parallel_size(overrides: list[str], expected: int) -> None:
+    assert planned_data_parallel_size(_cfg(*overrides)) == expected

@@ -95,6 +95,7 @@ def test_prepare_rejects_bad_input(tmp_path: Path, setup, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         prepare(inputs, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.tmp-*")), "a failed prepare left its temporary folder"
 
 
 def test_an_interrupted_prepare_is_not_mistaken_for_a_prepared_folder(tmp_path: Path) -> None:

@@ -18,7 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Any, cast
 
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 __all__ = ["RESOLVED_CONFIG_ENV", "build", "main", "planned_data_parallel_size", "run"]
 
@@ -27,37 +30,36 @@ SUMMARY_FILE = "summary.json"
 
 
 def _device_count(devices: Any, accelerator: str) -> int:
-    if isinstance(devices, int):
-        return devices
-    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+    """Processes per node that Lightning will start for ``trainer.devices``."""
+    if OmegaConf.is_list(devices) or isinstance(devices, (list, tuple)):
         return len(devices)
     if isinstance(devices, str):
-        if devices.strip().lstrip("-").isdigit():
-            return int(devices)
-        if "," in devices:
-            return len([d for d in devices.split(",") if d.strip()])
-        if devices == "auto" and accelerator in ("gpu", "cuda"):
+        text = devices.strip()
+        if "," in text:
+            return len([d for d in text.split(",") if d.strip()])
+        devices = int(text) if text.lstrip("-").isdigit() else text
+    if devices in (-1, "auto"):
+        if accelerator in ("gpu", "cuda", "auto"):
             import torch
 
             return max(torch.cuda.device_count(), 1)
         return 1
-    raise ValueError(f"trainer.devices={devices!r} is not a count, a list of device ids, or 'auto'")
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    raise ValueError(f"trainer.devices={devices!r} is not a positive count, a list of device ids, -1 or 'auto'")
 
 
 def planned_data_parallel_size(cfg: DictConfig) -> int:
     """Data-parallel ranks the run will have, from the config alone (before any process starts)."""
     trainer = cfg.trainer
-    world = _device_count(trainer.get("devices", 1), str(trainer.get("accelerator", "cpu"))) * int(
-        trainer.get("num_nodes", 1)
-    )
-    if world == -1:  # devices=-1: all of them
-        return 1
+    devices = _device_count(trainer.get("devices", 1), str(trainer.get("accelerator", "cpu")))
+    world = devices * int(trainer.get("num_nodes", 1))
     strategy = cfg.get("strategy") or {}
-    other = int(strategy.get("tensor_parallel", 1) or 1) * int(strategy.get("pipeline_parallel", 1) or 1)
     data_parallel = strategy.get("data_parallel")
     if isinstance(data_parallel, int):
         return data_parallel
-    return max(world // max(other, 1), 1)
+    model_parallel = int(strategy.get("tensor_parallel", 1) or 1) * int(strategy.get("pipeline_parallel", 1) or 1)
+    return max(world // max(model_parallel, 1), 1)
 
 
 def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
@@ -77,30 +79,40 @@ def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-class _ValidationRecord:
+class _ValidationRecord(Callback):
     """Remembers the last validation loss of the fit and the step it was taken at."""
 
     def __init__(self) -> None:
-        from lightning.pytorch import Callback
-
-        record = self
-
-        class _Callback(Callback):
-            def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-                if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
-                    record.step = trainer.global_step
-                    record.loss = float(trainer.callback_metrics["val/loss"])
-
-        self.callback = _Callback()
         self.step: int | None = None
         self.loss: float | None = None
 
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
+            self.step = trainer.global_step
+            self.loss = float(trainer.callback_metrics["val/loss"])
 
-def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
+
+def _checkpoint_path(cfg: DictConfig) -> str | None:
+    path = cfg.get("ckpt_path")
+    if path is None:
+        return None
+    if path == "last":
+        path = str(Path(cfg.run_dir) / "checkpoints" / "last.ckpt")
+    if not Path(path).exists():
+        raise ValueError(
+            f"ckpt_path={cfg.ckpt_path!r} points to {path}, which does not exist. Pass an existing checkpoint, "
+            "or ckpt_path=last together with the hydra.run.dir of the run to resume."
+        )
+    return str(path)
+
+
+def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRecord]:
     """Instantiate (module, datamodule, trainer) after checking everything checkable up front.
 
     Raises ``ValueError`` for bad input before any process group or child process exists.
     """
+    _checkpoint_path(cfg)
     model_config = _instantiate(cfg.model)
     datamodule = _instantiate(cfg.data)
     if datamodule.seq_len > model_config.block_size:
@@ -116,8 +128,6 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
             f"{model_config.vocab_size}. Set model.vocab_size>={datamodule.vocab_size}."
         )
 
-    from lightning.pytorch import seed_everything
-
     seed_everything(int(cfg.seed), workers=True, verbose=False)
     module = _instantiate(cfg.module, model_config)
     record = _ValidationRecord()
@@ -126,17 +136,15 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any, _ValidationRecord]:
     trainer = _instantiate(
         cfg.trainer,
         strategy=_instantiate(cfg.strategy),
-        callbacks=[*callbacks, record.callback],
+        callbacks=[*callbacks, record],
         logger=loggers or False,
     )
     return module, datamodule, trainer, record
 
 
-def _finish_wandb(trainer: Any) -> None:
+def _finish_wandb(trainer: Trainer) -> None:
     """Close this job's wandb run: ``WandbLogger`` never does, so in a multirun every later job
     would log into the first job's run."""
-    from lightning.pytorch.loggers import WandbLogger
-
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
             logger.experiment.finish()
@@ -154,11 +162,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             flush=True,
         )
     summary: dict[str, Any] = {}
+    ckpt_path = _checkpoint_path(cfg)
     if cfg.validate_before_fit:
-        summary["initial_val_loss"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path == "last":
-        ckpt_path = str(Path(cfg.run_dir) / "checkpoints" / "last.ckpt")
+        # With a checkpoint, "before" means the weights training resumes from.
+        metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        summary["initial_val_loss"] = metrics[0]["val/loss"]
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if cfg.validate_after_fit:
         if record.step == trainer.global_step and record.loss is not None:

@@ -262,9 +262,13 @@ def prepare(
             # A small corpus may have no chunk picked for validation yet: give it the last one.
             last_to_val = val_fraction > 0 and not got_val and chunk_index > 0
             writers["val" if last_to_val else "train"].write(held)
-    finally:
+    except BaseException:
         for writer in writers.values():
             writer.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed run leaves nothing behind
+        raise
+    for writer in writers.values():
+        writer.close()
 
     total = sum(int(s["tokens"]) for w in writers.values() for s in w.shards)
     if total == 0:
