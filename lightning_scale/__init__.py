@@ -1,5 +1,11 @@
 """lightning-scale: hybrid data/tensor/pipeline parallelism, fault-tolerant checkpoints and cost
-telemetry for PyTorch Lightning."""
+telemetry for PyTorch Lightning.
+
+Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hybrid")``
+and ``Trainer(strategy="tensor_parallel")`` work after ``import lightning_scale``.
+"""
+
+from lightning_scale import strategies as _strategies  # noqa: F401  (registers "hybrid", "tensor_parallel")
 
 __version__ = "0.1.0"
 __all__ = ["__version__"]

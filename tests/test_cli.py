@@ -104,6 +104,10 @@ def _cfg(*overrides: str):
         (["model.vocab_size=100"], r"token ids up to 255 but model.vocab_size=100. Set model.vocab_size>=256"),
         (["ckpt_path=last"], r"ckpt_path='last' points to unused/checkpoints/last.ckpt, which does not exist"),
         (["trainer.devices=0"], r"trainer.devices=0 is not a positive count"),
+        (
+            ["strategy=hybrid", "strategy.data_parallel=2", "strategy.tensor_parallel=2"],
+            r"data_parallel=2 x pipeline_parallel=1 x tensor_parallel=2 = 4 processes, but this run has 2",
+        ),
     ],
 )
 def test_bad_input_is_a_value_error_before_any_process_starts(overrides: list[str], match: str) -> None:
@@ -120,7 +124,26 @@ def test_bad_input_is_a_value_error_before_any_process_starts(overrides: list[st
         (["trainer.devices='4'"], 4),
         (["trainer.devices=2", "trainer.num_nodes=3"], 6),
         (["trainer.devices=1"], 1),
+        (["strategy=tensor_parallel", "trainer.devices=4", "trainer.num_nodes=2"], 2),
+        (["strategy=hybrid", "trainer.devices=4", "strategy.tensor_parallel=2"], 2),
     ],
 )
 def test_planned_data_parallel_size(overrides: list[str], expected: int) -> None:
     assert planned_data_parallel_size(_cfg(*overrides)) == expected
+
+
+@pytest.mark.slow
+def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
+    proc = _train(
+        "strategy=tensor_parallel",
+        "trainer.max_steps=10",
+        "trainer.limit_val_batches=2",
+        "callbacks=none",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "HybridParallelStrategy: dp=1 x pp=1 x tp=2 on 2 processes" in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final_val_loss"] < summary["initial_val_loss"]

@@ -51,15 +51,21 @@ def _device_count(devices: Any, accelerator: str) -> int:
 
 def planned_data_parallel_size(cfg: DictConfig) -> int:
     """Data-parallel ranks the run will have, from the config alone (before any process starts)."""
+    from lightning_scale.core.layout import resolve_layout
+
     trainer = cfg.trainer
     devices = _device_count(trainer.get("devices", 1), str(trainer.get("accelerator", "cpu")))
     world = devices * int(trainer.get("num_nodes", 1))
     strategy = cfg.get("strategy") or {}
-    data_parallel = strategy.get("data_parallel")
-    if isinstance(data_parallel, int):
-        return data_parallel
-    model_parallel = int(strategy.get("tensor_parallel", 1) or 1) * int(strategy.get("pipeline_parallel", 1) or 1)
-    return max(world // max(model_parallel, 1), 1)
+    if not any(k in strategy for k in ("data_parallel", "tensor_parallel", "pipeline_parallel")):
+        return world
+    return resolve_layout(
+        world,
+        data_parallel=strategy.get("data_parallel", "auto"),
+        tensor_parallel=strategy.get("tensor_parallel", 1),
+        pipeline_parallel=strategy.get("pipeline_parallel", 1),
+        devices_per_node=devices,
+    ).dp
 
 
 def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_scale.core.schedules import warmup_cosine
@@ -75,7 +76,12 @@ class GPTLightningModule(LightningModule):
     def _loss(self, batch: Batch) -> torch.Tensor:
         tokens, targets = batch
         logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Under loss parallelism the logits are a DTensor sharded on the vocabulary and the
+        # strategy runs this under `loss_parallel()`: cross entropy without gathering the logits.
+        # At least fp32 for the softmax (bf16/fp16 logits are upcast; fp64 stays fp64).
+        logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits, targets.flatten())
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""Global gradient norm over parameters that may be DTensors on different meshes, and clipping by it.
+
+``torch.nn.utils.clip_grad_norm_`` needs all gradients of one kind: a mix of DTensors (sharded by
+tensor parallelism) and plain tensors (replicated norms, or modules a plan leaves alone) fails,
+and per-rank plain norms would differ across ranks. Here gradients are grouped by their mesh;
+each group's norm comes from ``torch.nn.utils.get_total_norm`` (a DTensor norm accounts for
+shards and replicas), is made a plain tensor with ``full_tensor()``, and the groups are combined.
+Plain gradients are taken to be identical on every rank that holds them (true for replicated
+parameters once data-parallel gradients are averaged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+def _groups(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    by_key: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device, g.dtype)
+        by_key.setdefault(key, []).append(g)
+    return list(by_key.values())
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as a plain scalar tensor, equal on every rank."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = []
+    for group in _groups(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norms.append(norm.to(device=grads[0].device, dtype=torch.float32))
+    return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        assert p.grad is not None
+        p.grad.mul_(coef.to(p.grad.dtype).item() if isinstance(p.grad, DTensor) else coef.to(p.grad))
+    return total

@@ -1,0 +1,89 @@
+"""How a world of processes is cut into data, pipeline and tensor parallel groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_scale.core.checks import divisors
+
+__all__ = ["MESH_DIMS", "Layout", "check_size", "resolve_layout"]
+
+MESH_DIMS = ("dp", "pp", "tp")
+"""Mesh dimension names, outermost first. ``tp`` is innermost so that on a GPU node the ranks of
+one tensor-parallel group are neighbours and share the fastest links (NVLink)."""
+
+Size = int | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.dp, self.pp, self.tp)
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x pp={self.pp} x tp={self.tp}"
+
+
+def check_size(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive integer or ``"auto"``."""
+    if value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer or 'auto'")
+
+
+def resolve_layout(
+    world_size: int,
+    *,
+    data_parallel: Size = "auto",
+    tensor_parallel: Size = 1,
+    pipeline_parallel: Size = 1,
+    devices_per_node: int | None = None,
+) -> Layout:
+    """Sizes of the (dp, pp, tp) mesh for ``world_size`` processes.
+
+    ``"auto"`` rules: ``tensor_parallel="auto"`` takes the processes of one node (tensor
+    parallelism wants the fastest links), divided by a fixed ``pipeline_parallel`` if that
+    would not fit; ``pipeline_parallel="auto"`` is 1; ``data_parallel="auto"`` takes whatever
+    remains. The product must equal ``world_size``.
+    """
+    for name, value in (
+        ("data_parallel", data_parallel),
+        ("tensor_parallel", tensor_parallel),
+        ("pipeline_parallel", pipeline_parallel),
+    ):
+        check_size(name, value)
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    pp = 1 if pipeline_parallel == "auto" else pipeline_parallel
+    if tensor_parallel == "auto":
+        node = devices_per_node or world_size
+        budget = world_size // (pp * (data_parallel if isinstance(data_parallel, int) else 1)) or 1
+        tensor_parallel = max(d for d in divisors(node) if d <= budget)
+    tp = tensor_parallel
+    if data_parallel == "auto":
+        if world_size % (pp * tp):
+            raise ValueError(
+                f"pipeline_parallel={pp} x tensor_parallel={tp} = {pp * tp} does not divide the {world_size} "
+                f"processes of this run, so data_parallel='auto' has no whole size. Use a tensor x pipeline size "
+                f"among the divisors of {world_size}: {divisors(world_size)}."
+            )
+        data_parallel = world_size // (pp * tp)
+    layout = Layout(dp=data_parallel, pp=pp, tp=tp)
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"data_parallel={layout.dp} x pipeline_parallel={layout.pp} x tensor_parallel={layout.tp} = "
+            f"{layout.world_size} processes, but this run has {world_size} (devices x num_nodes). Make the product "
+            f"{world_size}, e.g. data_parallel='auto' to fill it, or start {layout.world_size} processes."
+        )
+    return layout

@@ -1,0 +1,387 @@
+"""``HybridParallelStrategy``: data x pipeline x tensor parallelism on one named DeviceMesh."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
+from typing_extensions import override
+
+from lightning_scale.core.grad_norm import clip_grad_norm_
+from lightning_scale.core.layout import MESH_DIMS, Layout, check_size, resolve_layout
+from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans
+
+__all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
+
+_PARALLELIZED = "_lightning_scale_layout"  # set on a LightningModule once its parameters are parallelised
+
+
+def _clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    clip_grad_norm_(params, clip_val)
+
+TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
+"""Name of the LightningModule method that supplies a tensor-parallel plan::
+
+    def tensor_parallel_plan(self, tp_size: int, *, sequence_parallel: bool, loss_parallel: bool)
+        -> Mapping[str, ParallelStyle | str]   # module names relative to the LightningModule
+"""
+
+
+class HybridParallelStrategy(ParallelStrategy):
+    """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
+
+    One ``DeviceMesh`` of shape ``(dp, pp, tp)`` with dimension names ``("dp", "pp", "tp")``;
+    ``tp`` innermost. Tensor parallelism is torch's DTensor ``parallelize_module`` with a plan from
+    the LightningModule's ``tensor_parallel_plan`` hook or from the registry of known
+    architectures (``lightning_scale.core.tensor_parallel.register_plan``; the reference GPT is
+    registered). Data parallelism replicates the (sharded) model over the ``dp`` sub-mesh and
+    averages gradients there; the sampler Lightning injects splits data over ``dp`` only.
+
+    Args:
+        data_parallel: replicas of the model; ``"auto"`` fills the world.
+        tensor_parallel: ranks each layer is split over; ``"auto"``: the processes of one node.
+        pipeline_parallel: pipeline stages (only 1 for now; pipelines arrive in a later release).
+        sequence_parallel: shard norms and the residual stream on the sequence between layers
+            (for plans that honour it, like the reference GPT's).
+        loss_parallel: keep logits sharded on the vocabulary into the loss; training, validation
+            and test steps and the backward run under ``torch.distributed.tensor.parallel.loss_parallel``.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        data_parallel: int | Literal["auto"] = "auto",
+        tensor_parallel: int | Literal["auto"] = 1,
+        pipeline_parallel: int = 1,
+        *,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        for name, value in (
+            ("data_parallel", data_parallel),
+            ("tensor_parallel", tensor_parallel),
+            ("pipeline_parallel", pipeline_parallel),
+        ):
+            check_size(name, value)
+        if pipeline_parallel != 1:
+            raise ValueError(
+                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism is not available in this version of "
+                "HybridParallelStrategy yet; use pipeline_parallel=1."
+            )
+        self._sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel, "pipeline_parallel": 1}
+        self.sequence_parallel = bool(sequence_parallel)
+        self.loss_parallel = bool(loss_parallel)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: Layout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ what Lightning asks
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only knows its own strategies as distributed; without this no sampler is
+        # injected and `self.log(..., sync_dist=True)` does not reduce.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes are set up (Trainer.fit/validate/...).")
+        return self._device_mesh
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("The layout is known once the processes are set up (Trainer.fit/validate/...).")
+        return self._layout
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights load into the parallelised model, optimizer state into the real optimizers.
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    # ------------------------------------------------------------------ set-up
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+        self._layout = resolve_layout(self.world_size, devices_per_node=self.num_processes, **self._sizes)
+        self._device_mesh = init_device_mesh(self.root_device.type, self._layout.shape, mesh_dim_names=MESH_DIMS)
+        rank_zero_info(f"HybridParallelStrategy: {self._layout} on {self.world_size} processes")
+        assert self.lightning_module is not None
+        # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on
+        # a mix of DTensor and plain gradients; clip by the norm over every shard and stage instead.
+        self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm  # type: ignore[method-assign]
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(self.lightning_module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
+        tp = self.layout.tp
+        kwargs = {"sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
+        hook = getattr(module, TENSOR_PARALLEL_PLAN_HOOK, None)
+        if callable(hook):
+            return dict(hook(tp, **kwargs))
+        plan: dict[str, ParallelStyle | str] = {}
+        for prefix, plan_fn in find_registered_plans(module).items():
+            sub = module.get_submodule(prefix) if prefix else module
+            plan |= {(f"{prefix}.{k}" if prefix else k): v for k, v in plan_fn(sub, tp, **kwargs).items()}
+        if not plan:
+            raise ValueError(
+                f"tensor_parallel={tp} needs a tensor-parallel plan, but {type(module).__name__} defines no "
+                f"`{TENSOR_PARALLEL_PLAN_HOOK}(tp_size, *, sequence_parallel, loss_parallel)` method and contains no "
+                "module of a registered architecture (lightning_scale.core.tensor_parallel.register_plan). "
+                "Add the hook, or use tensor_parallel=1."
+            )
+        return plan
+
+    def _parallelize(self, module: LightningModule) -> None:
+        """Applied in this order: tensor parallel, then data parallel over ``dp``.
+
+        A module set up before (``trainer.validate`` then ``trainer.fit``) is parallelised once;
+        only the DDP wrapper, which Lightning's own strategies also rebuild, is made again.
+        """
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        wrapped = [n for n, m in module.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
+        if wrapped:
+            raise ValueError(f"Modules {wrapped[:3]} are already wrapped in DistributedDataParallel; pass the bare model.")
+        done = getattr(module, _PARALLELIZED, None)
+        if done is not None and done != self.layout:
+            raise ValueError(
+                f"{type(module).__name__} was parallelised for {done} and cannot be set up again for {self.layout}; "
+                "build a new module (or load its checkpoint) for another layout."
+            )
+        dp_mesh = self.device_mesh["dp"]
+        if self.layout.dp > 1 and self.layout.tp == 1:
+            # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the
+            # base strategy redirects training_step through the wrapper so its hooks run.
+            self.model = nn.parallel.DistributedDataParallel(module, device_mesh=dp_mesh)
+        if done is not None:
+            return
+        setattr(module, _PARALLELIZED, self.layout)
+        if self.layout.tp > 1:
+            apply_tensor_parallel(module, self.device_mesh["tp"], self._tensor_parallel_plan(module))
+        if self.layout.dp == 1 or self.layout.tp == 1:
+            return
+        # With DTensor parameters DDP would localise them (losing mesh-aware gradient clipping and
+        # state dicts); FSDP2's replicate keeps them. It hooks a module's forward, so it goes on the
+        # children the training step actually calls, not on the LightningModule.
+        if any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(module).__name__} holds parameters directly; put them in a submodule to combine "
+                "tensor and data parallelism."
+            )
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                replicate(child, mesh=dp_mesh)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss_context(self) -> contextlib.AbstractContextManager[None]:
+        if self.loss_parallel and self.layout.tp > 1:
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # loss_parallel's cross entropy must also be differentiated inside the context.
+        with self._loss_context():
+            return super().backward(closure_loss, *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Over the world: tensor- and pipeline-parallel ranks of a replica log equal values,
+        # so the world mean is the data-parallel mean.
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Full (gathered) tensors under the original names: a checkpoint loads at any layout.
+        assert self.model is not None
+        return get_model_state_dict(self.lightning_module, options=self._FULL)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        set_model_state_dict(
+            self.lightning_module,
+            checkpoint["state_dict"],
+            options=StateDictOptions(full_state_dict=True, strict=strict),
+        )
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(
+                self.lightning_module,
+                getattr(optimizer, "_optimizer", optimizer),
+                state,
+                options=StateDictOptions(full_state_dict=True),
+            )
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("hybrid", cls, description="data x tensor x pipeline parallelism (lightning-scale)")
+        strategy_registry.register(
+            "tensor_parallel",
+            cls,
+            description="tensor parallelism over all processes of a node (lightning-scale)",
+            tensor_parallel="auto",
+        )

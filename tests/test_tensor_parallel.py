@@ -1,0 +1,281 @@
+"""Tensor parallelism: layouts, plans, and parity of HybridParallelStrategy with one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.distributed import run_distributed
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_scale  # noqa: F401  (registers the strategies)
+from lightning_scale.core.layout import Layout, resolve_layout
+from lightning_scale.core.tensor_parallel import local_numel, resolve_plan
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
+from lightning_scale.strategies import HybridParallelStrategy
+
+STEPS = 20
+CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, block_size=32)
+
+
+# ---------------------------------------------------------------- layout and plans (no processes)
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "expected"),
+    [
+        (4, {"tensor_parallel": 2}, Layout(2, 1, 2)),
+        (4, {}, Layout(4, 1, 1)),
+        (8, {"tensor_parallel": "auto", "devices_per_node": 4}, Layout(2, 1, 4)),
+        (4, {"data_parallel": 2, "tensor_parallel": "auto"}, Layout(2, 1, 2)),
+    ],
+)
+def test_resolve_layout(world: int, kwargs: dict, expected: Layout) -> None:
+    assert resolve_layout(world, **kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "match"),
+    [
+        (4, {"data_parallel": 2, "tensor_parallel": 4}, r"data_parallel=2 x pipeline_parallel=1 x tensor_parallel=4 = 8 processes, but this run has 4"),
+        (6, {"tensor_parallel": 4}, r"tensor_parallel=4 = 4 does not divide the 6 processes.*\[1, 2, 3, 6\]"),
+        (4, {"tensor_parallel": 0}, r"tensor_parallel=0 must be a positive integer or 'auto'"),
+    ],
+)
+def test_resolve_layout_rejects_bad_sizes(world: int, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_layout(world, **kwargs)
+
+
+def test_strategy_rejects_bad_sizes_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel='two' must be a positive integer or 'auto'"):
+        HybridParallelStrategy(tensor_parallel="two")  # type: ignore[arg-type]
+
+
+def test_strategy_is_registered_by_name() -> None:
+    trainer = Trainer(strategy="tensor_parallel", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+    trainer = Trainer(strategy="hybrid", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, HybridParallelStrategy)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (GPTConfig(n_heads=6, d_model=96, n_kv_heads=2), r"n_heads=6 is not divisible by tensor_parallel=4.*\[1, 2, 3, 6\]"),
+        (GPTConfig(n_heads=4, n_kv_heads=1), r"n_kv_heads=1 is not divisible by tensor_parallel=4"),
+        (GPTConfig(vocab_size=258), r"vocab_size=258 is not divisible by tensor_parallel=4"),
+    ],
+)
+def test_gpt_plan_rejects_shapes_that_do_not_split(config: GPTConfig, match: str) -> None:
+    with torch.device("meta"):
+        model = GPT(config)
+    with pytest.raises(ValueError, match=match):
+        gpt_tensor_parallel_plan(model, 4)
+
+
+def test_plan_key_matching_nothing_lists_close_names() -> None:
+    model = GPT(CONFIG)
+    with pytest.raises(ValueError, match=r"key 'blocks.\*.attn.wqq' matches no module of GPT.*'blocks.\*.attn.wq'"):
+        resolve_plan(model, {"blocks.*.attn.wqq": "colwise"})
+
+
+def test_plan_unknown_style_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown style 'column'. Use one of 'colwise', 'rowwise', 'sequence_parallel'"):
+        resolve_plan(GPT(CONFIG), {"head": "column"})
+    with pytest.raises(TypeError, match=r"maps to int"):
+        resolve_plan(GPT(CONFIG), {"head": 3})
+
+
+def test_plan_patterns_match_one_segment_and_expand() -> None:
+    plan = resolve_plan(GPT(CONFIG), {"blocks.*.mlp.fc": "colwise", "head": "colwise"})
+    assert sorted(plan) == ["blocks.0.mlp.fc", "blocks.1.mlp.fc", "head"]
+    with pytest.raises(ValueError, match=r"matched by tensor-parallel plan keys 'blocks.\*.mlp.fc' and 'blocks.0.mlp.fc'"):
+        resolve_plan(GPT(CONFIG), {"blocks.*.mlp.fc": "colwise", "blocks.0.mlp.fc": "rowwise"})
+
+
+# ---------------------------------------------------------------- a second architecture
+
+
+class ResidualMLP(nn.Module):
+    """Token embedding, residual MLP blocks, output head: not a transformer, not registered."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32, hidden: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.LayerNorm(dim), "up": nn.Linear(dim, hidden), "down": nn.Linear(hidden, dim)})
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block["down"](F.gelu(block["up"](block["norm"](x))))
+        return self.out(x)
+
+
+class PlainLM(LightningModule):
+    """Written as a user would, with no hook of this package."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = ResidualMLP()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = F.cross_entropy(self.net(tokens).flatten(0, 1), targets.flatten())
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class PlannedLM(PlainLM):
+    def tensor_parallel_plan(self, tp_size: int, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
+        return {"net.blocks.*.up": "colwise", "net.blocks.*.down": "rowwise"}
+
+
+# ---------------------------------------------------------------- parity runs
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def _token_loader(batch_size: int) -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (8 * STEPS, 17), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size, shuffle=False)
+
+
+def _fit(
+    strategy: Any, devices: int, model: str, precision: str = "64-true", batch_per_rank: int | None = None
+) -> dict[str, Any]:
+    seed_everything(0, verbose=False)
+    record = _Record()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=STEPS,
+        limit_val_batches=0,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    if model == "gpt":
+        module: LightningModule = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3)
+        trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=8))
+        blocks = module.model.blocks
+    elif batch_per_rank is None:
+        module = PlannedLM() if model == "planned_mlp" else PlainLM()
+        trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+        blocks = module.net.blocks
+    else:
+        # A user's own DataLoader: Lightning injects a sampler over the data-parallel ranks.
+        module = PlainLM()
+        trainer.fit(module, train_dataloaders=_token_loader(batch_per_rank))
+        blocks = module.net.blocks
+    # Gathered on every rank (the strategy's own checkpoint path gathers to rank 0 only).
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {"losses": record.losses, "state": state, "block_numel": local_numel(blocks)}
+
+
+def _hybrid(rank: int, world: int, dp: int, tp: int, model: str, sp: bool, lp: bool, precision: str) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(data_parallel=dp, tensor_parallel=tp, sequence_parallel=sp, loss_parallel=lp)
+    return _fit(strategy, world, model, precision)
+
+
+def _assert_parity(results: list[dict[str, Any]], reference: dict[str, Any], rtol: float = 1e-5) -> None:
+    for rank, result in enumerate(results):
+        assert len(result["losses"]) == STEPS
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0)
+        assert result["state"].keys() == reference["state"].keys()
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=rtol, atol=1e-7, msg=f"rank {rank} {name}")
+
+
+@pytest.fixture(scope="module")
+def single_gpt() -> dict[str, Any]:
+    return _fit("auto", 1, "gpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sp", "lp"), [(True, True), (False, False)], ids=["sequence+loss_parallel", "plain"])
+def test_gpt_tp2_matches_one_process(single_gpt: dict[str, Any], sp: bool, lp: bool) -> None:
+    results = run_distributed(_hybrid, 2, 1, 2, "gpt", sp, lp, "64-true", timeout=180)
+    _assert_parity(results, single_gpt)
+    # Memory: each rank holds about half of the transformer blocks' parameters (norms are replicated).
+    assert results[0]["block_numel"] <= 0.55 * single_gpt["block_numel"]
+
+
+@pytest.mark.slow
+def test_gpt_dp2_tp2_matches_one_process(single_gpt: dict[str, Any]) -> None:
+    results = run_distributed(_hybrid, 4, 2, 2, "gpt", True, True, "64-true", timeout=240)
+    _assert_parity(results, single_gpt)
+
+
+@pytest.mark.slow
+def test_gpt_tp2_fp32_loss_curve_matches_one_process() -> None:
+    reference = _fit("auto", 1, "gpt", precision="32-true")
+    results = run_distributed(_hybrid, 2, 1, 2, "gpt", True, True, "32-true", timeout=180)
+    for result in results:
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_second_architecture_tp2_matches_one_process() -> None:
+    reference = _fit("auto", 1, "planned_mlp")
+    results = run_distributed(_hybrid, 2, 1, 2, "planned_mlp", True, True, "64-true", timeout=180)
+    _assert_parity(results, reference)
+    assert results[0]["block_numel"] <= 0.55 * reference["block_numel"] + 2 * 32 * 2  # norms replicated
+
+
+def _dropin(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    return _fit(strategy, world, "plain_mlp", precision="32-true", batch_per_rank=4)
+
+
+@pytest.mark.slow
+def test_unmodified_module_under_hybrid_matches_lightning_ddp() -> None:
+    ours = run_distributed(_dropin, 2, "hybrid", timeout=180)
+    ddp = run_distributed(_dropin, 2, "ddp", timeout=180)
+    for a, b in zip(ours, ddp, strict=True):
+        assert len(a["losses"]) == STEPS
+        torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-6, atol=0)
+        for name, value in b["state"].items():
+            torch.testing.assert_close(a["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _apply_twice(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_scale.core.tensor_parallel import apply_tensor_parallel
+
+    model = GPT(CONFIG)
+    mesh = init_device_mesh("cpu", (world,))
+    apply_tensor_parallel(model, mesh, gpt_tensor_parallel_plan(model, world))
+    assert model.head.weight is model.tok_emb.weight  # the tied pair is still one parameter
+    with pytest.raises(ValueError, match=r"already holds DTensor parameters.*Apply a plan once") as info:
+        apply_tensor_parallel(model, mesh, gpt_tensor_parallel_plan(model, world))
+    return str(info.value)
+
+
+def test_a_plan_on_modules_that_already_hold_dtensors_is_rejected() -> None:
+    assert all("already holds DTensor" in m for m in run_distributed(_apply_twice, 2, timeout=60))
