@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from helpers.distributed import run_distributed
+from helpers.lightning import quiet_trainer
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_scale.data import TextDataModule
@@ -26,17 +27,11 @@ class _Losses(Callback):
 def _train(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     seed_everything(0, verbose=False)
     losses = _Losses()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy="ddp" if world_size > 1 else "auto",
         max_steps=STEPS,
-        limit_val_batches=0,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[losses],
     )
     module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=2)

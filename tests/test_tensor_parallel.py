@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.distributed import run_distributed
+from helpers.lightning import quiet_trainer
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -166,18 +167,12 @@ def _fit(
 ) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     record = _Record()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
         precision=precision,
         max_steps=STEPS,
-        limit_val_batches=0,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[record],
     )
     if model == "gpt":

@@ -180,9 +180,13 @@ class HybridParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        self._layout = resolve_layout(self.world_size, devices_per_node=self.num_processes, **self._sizes)
-        self._device_mesh = init_device_mesh(self.root_device.type, self._layout.shape, mesh_dim_names=MESH_DIMS)
-        rank_zero_info(f"HybridParallelStrategy: {self._layout} on {self.world_size} processes")
+        layout = resolve_layout(self.world_size, devices_per_node=self.num_processes, **self._sizes)
+        if self._device_mesh is None or layout != self._layout:
+            # Once per layout: `trainer.validate` then `trainer.fit` reuse the mesh (and its groups)
+            # that the module's DTensors already live on.
+            self._layout = layout
+            self._device_mesh = init_device_mesh(self.root_device.type, layout.shape, mesh_dim_names=MESH_DIMS)
+            rank_zero_info(f"HybridParallelStrategy: {layout} on {self.world_size} processes")
         assert self.lightning_module is not None
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh

@@ -1,0 +1,21 @@
+"""A quiet CPU Trainer for tests: no logger, checkpoints, progress bar or model summary unless asked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+
+__all__ = ["quiet_trainer"]
+
+
+def quiet_trainer(**overrides: Any) -> Trainer:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "limit_val_batches": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return Trainer(**(kwargs | overrides))
