@@ -274,3 +274,43 @@ def _apply_twice(rank: int, world: int) -> str:
 
 def test_a_plan_on_modules_that_already_hold_dtensors_is_rejected() -> None:
     assert all("already holds DTensor" in m for m in run_distributed(_apply_twice, 2, timeout=60))
+
+
+# ---------------------------------------------------------------- checkpoints at tp=2
+
+
+def _fit_with_checkpoint(rank: int, world: int, root: str, resume: str | None) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seed_everything(0, verbose=False)
+    record = _Record()
+    every_6 = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HybridParallelStrategy(tensor_parallel=world),
+        precision="64-true",
+        max_steps=10,
+        gradient_clip_val=0.5,
+        callbacks=[record, every_6],
+        enable_checkpointing=True,
+    )
+    module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=8), ckpt_path=resume)
+    trainer.save_checkpoint(f"{root}/final-{'resumed' if resume else 'straight'}.ckpt")  # every rank enters
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {"losses": record.losses, "state": state}
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_loads_at_tp1_and_resumes_at_tp2(tmp_path) -> None:
+    root = str(tmp_path)
+    straight = run_distributed(_fit_with_checkpoint, 2, root, None, timeout=180)[0]
+    # Full tensors under the original names: the plain (tp=1) model loads it as it is.
+    reloaded = GPTLightningModule.load_from_checkpoint(f"{root}/final-straight.ckpt", map_location="cpu")
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, straight["state"][name].to(value.dtype)), name  # loaded as fp32
+    resumed = run_distributed(_fit_with_checkpoint, 2, root, f"{root}/step=6.ckpt", timeout=180)[0]
+    # Weights, optimizer and scheduler state and the data position restored: steps 7-10 are the same.
+    torch.testing.assert_close(resumed["losses"], straight["losses"][6:], rtol=1e-9, atol=0)
+    for name, value in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][name], value, rtol=1e-9, atol=1e-12, msg=name)
