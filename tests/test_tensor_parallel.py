@@ -314,3 +314,31 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_resumes_at_tp2(tmp_path) -> No
     torch.testing.assert_close(resumed["losses"], straight["losses"][6:], rtol=1e-9, atol=0)
     for name, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _collectives(rank: int, world: int) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(data_parallel=2, tensor_parallel=2)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    trainer.strategy._lightning_module = PlainLM()  # setup_environment hands the mesh to the module
+    trainer.strategy.setup_environment()
+    value = torch.tensor([float(rank)])
+    strategy.barrier()
+    return {
+        "mean": float(strategy.reduce(value.clone(), reduce_op="mean")),
+        "sum": float(strategy.reduce(value.clone(), reduce_op="sum")),
+        "broadcast": strategy.broadcast({"from": rank}, src=1),
+        "gathered": strategy.all_gather(value).flatten().tolist(),
+        "sampler": strategy.distributed_sampler_kwargs,
+        "mesh": dict(zip(strategy.device_mesh.mesh_dim_names, strategy.device_mesh.shape, strict=True)),
+    }
+
+
+def test_collectives_and_data_parallel_coordinates_on_a_2x2_mesh() -> None:
+    results = run_distributed(_collectives, 4, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["mean"] == 1.5 and r["sum"] == 6.0
+        assert r["broadcast"] == {"from": 1}
+        assert r["gathered"] == [0.0, 1.0, 2.0, 3.0]
+        assert r["mesh"] == {"dp": 2, "pp": 1, "tp": 2}
+        # tp is innermost: ranks 0,1 form replica 0 and ranks 2,3 replica 1, and read the same data.
+        assert r["sampler"] == {"num_replicas": 2, "rank": rank // 2}
