@@ -294,30 +294,39 @@ class GPT(nn.Module):
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
         if cfg.positional == "rope":
-            cos, sin = _rotary_tables(cfg, device=self.tok_emb.weight.device)
+            cos, sin = _rotary_tables(cfg, device=self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)``.
+
+        On a pipeline stage some modules are removed (``None``): without ``tok_emb`` the input is
+        already the hidden state ``(batch, seq, d_model)``; without ``head`` the hidden state is
+        returned.
+        """
         seq = tokens.size(1)
         if seq > self.config.block_size:
             raise ValueError(
                 f"Sequence length {seq} exceeds the model's context block_size={self.config.block_size}. "
                 f"Shorten the sequences (data.seq_len) or raise model.block_size."
             )
-        x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(seq, device=tokens.device))
-        x = self.drop(x)
+        x = tokens
+        if self.tok_emb is not None:
+            x = self.tok_emb(tokens)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(seq, device=tokens.device))
+            x = self.drop(x)
         rotary = (self.rope_cos, self.rope_sin) if self.config.positional == "rope" else None
         for block in self.blocks.values():
             x = block(x, rotary)
-        return self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied head counts once); optionally without token/position embeddings."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            total -= self.tok_emb.weight.numel()
-            if self.pos_emb is not None:
-                total -= self.pos_emb.weight.numel()
+            for emb in (self.tok_emb, self.pos_emb):
+                total -= emb.weight.numel() if emb is not None else 0
         return total

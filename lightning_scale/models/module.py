@@ -7,13 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_scale.core.schedules import warmup_cosine
 from lightning_scale.models.gpt import GPT, GPTConfig
+from lightning_scale.models.parallel import language_model_loss
 
 __all__ = ["GPTLightningModule"]
 
@@ -75,12 +75,9 @@ class GPTLightningModule(LightningModule):
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         tokens, targets = batch
-        logits = self(tokens)
         # Under loss parallelism the logits are a DTensor sharded on the vocabulary and the
         # strategy runs this under `loss_parallel()`: cross entropy without gathering the logits.
-        # At least fp32 for the softmax (bf16/fp16 logits are upcast; fp64 stays fp64).
-        logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits, targets.flatten())
+        loss = language_model_loss(self(tokens), targets)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @override

@@ -1,4 +1,5 @@
-"""The reference GPT's tensor-parallel plan, registered through the same public API any model uses."""
+"""The reference GPT's tensor-parallel plan and pipeline spec, registered through the same public
+API any model uses."""
 
 from __future__ import annotations
 
@@ -11,11 +12,32 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+import torch
+import torch.nn.functional as F
+
 from lightning_scale.core.checks import divisors
+from lightning_scale.core.pipeline import PipelineSpec, register_pipeline_spec
 from lightning_scale.core.tensor_parallel import register_plan
 from lightning_scale.models.gpt import GPT
 
-__all__ = ["gpt_tensor_parallel_plan"]
+__all__ = ["gpt_pipeline_spec", "gpt_tensor_parallel_plan", "language_model_loss"]
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in at least fp32."""
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
+
+
+def gpt_pipeline_spec(model: GPT) -> PipelineSpec:
+    """Cut between transformer blocks; embeddings on the first stage, final norm and head on the last."""
+    first = ["tok_emb"] + (["pos_emb"] if model.pos_emb is not None else [])
+    return PipelineSpec(
+        blocks=[f"blocks.{key}" for key in model.blocks],
+        first=first,
+        last=["norm", "head"],
+        loss_fn=language_model_loss,
+    )
 
 
 def gpt_tensor_parallel_plan(
@@ -83,3 +105,4 @@ def gpt_tensor_parallel_plan(
 
 
 register_plan(GPT, gpt_tensor_parallel_plan)
+register_pipeline_spec(GPT, gpt_pipeline_spec)

@@ -1,0 +1,117 @@
+"""What a model declares so it can be cut into pipeline stages, and how a stage is cut.
+
+A stage is the original model with the other stages' blocks (and, off the first and last stage,
+the modules before and after the blocks) removed. Nothing is renamed, so ``blocks.7.attn.wq.weight``
+is called that at every pipeline size and a checkpoint saved at one layout loads at any other.
+The model's ``forward`` must skip what is missing (a removed embedding means the input already is
+the hidden state; a removed head means the output is the hidden state), as the reference GPT's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+import torch
+from torch import nn
+
+__all__ = ["PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec"]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How a model may be cut.
+
+    Attributes:
+        blocks: names of the blocks, in forward order; cuts fall between them.
+        first: modules that run before the first block (they live on the first stage).
+        last: modules that run after the last block (they live on the last stage).
+        loss_fn: ``loss_fn(output, target) -> scalar``, computed on the last stage from the
+            model's output and the batch target.
+    """
+
+    blocks: Sequence[str]
+    first: Sequence[str] = ()
+    last: Sequence[str] = ()
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("A PipelineSpec needs at least one block to cut between.")
+        names = [*self.blocks, *self.first, *self.last]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"PipelineSpec names {dupes} more than once; each module belongs to one place.")
+
+    def prefixed(self, prefix: str) -> PipelineSpec:
+        """The same spec with every name under ``prefix`` (a submodule's spec seen from its parent)."""
+        if not prefix:
+            return self
+
+        def add(names: Sequence[str]) -> tuple[str, ...]:
+            return tuple(f"{prefix}.{n}" for n in names)
+
+        return PipelineSpec(add(self.blocks), add(self.first), add(self.last), self.loss_fn)
+
+
+SpecFn = Callable[[nn.Module], PipelineSpec]
+_REGISTRY: dict[type[nn.Module], SpecFn] = {}
+
+
+def register_pipeline_spec(module_type: type[nn.Module], spec_fn: SpecFn) -> None:
+    """Register how an architecture is cut; applies to every instance found inside a model."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_pipeline_spec needs an nn.Module subclass, got {module_type!r}")
+    _REGISTRY[module_type] = spec_fn
+
+
+def find_registered_spec(root: nn.Module) -> PipelineSpec | None:
+    """The spec of the outermost registered module inside ``root``, with names relative to ``root``.
+
+    Raises ``ValueError`` when two registered modules sit side by side (which one to cut is ambiguous).
+    """
+    found: list[tuple[str, PipelineSpec]] = []
+    for name, module in root.named_modules():
+        if any(name == p or name.startswith(p + ".") or p == "" for p, _ in found):
+            continue
+        for cls in type(module).__mro__:
+            if cls in _REGISTRY:
+                found.append((name, _REGISTRY[cls](module).prefixed(name)))
+                break
+    if len(found) > 1:
+        raise ValueError(
+            f"{type(root).__name__} contains several pipelined architectures ({[n for n, _ in found]}); "
+            "declare which blocks to cut with a pipeline_spec hook."
+        )
+    return found[0][1] if found else None
+
+
+def _remove(root: nn.Module, name: str) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    if isinstance(parent, nn.ModuleDict):
+        del parent[attr]
+    elif isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(
+            f"Cannot remove {name!r} from an nn.{type(parent).__name__}: the blocks after it would be renumbered "
+            "and renamed. Keep pipelined blocks in an nn.ModuleDict keyed by their index (as the reference GPT does)."
+        )
+    else:
+        setattr(parent, attr, None)
+
+
+def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool) -> nn.Module:
+    """Remove, in place, every block not in ``keep`` (indices into ``spec.blocks``), and the ``first``
+    modules unless ``is_first`` and the ``last`` modules unless ``is_last``. Returns ``root``."""
+    names = {n for n, _ in root.named_modules()}
+    missing = [n for n in [*spec.blocks, *spec.first, *spec.last] if n not in names]
+    if missing:
+        raise ValueError(f"The pipeline spec names modules that do not exist: {missing[:5]}")
+    keep_set = set(keep)
+    drop: list[str] = [name for i, name in enumerate(spec.blocks) if i not in keep_set]
+    if not is_first:
+        drop += list(spec.first)
+    if not is_last:
+        drop += list(spec.last)
+    for name in drop:
+        _remove(root, name)
+    return root

@@ -1,0 +1,79 @@
+"""Cutting a model into pipeline stages: names stay, chained stages equal the whole model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_scale.core.partition import balanced_partition
+from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
+from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec
+
+
+def _names(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GPTConfig(n_layers=4), GPTConfig(n_layers=4, positional="rope", mlp="swiglu", tie_embeddings=False)],
+    ids=["learned-tied", "rope-untied"],
+)
+@pytest.mark.parametrize("stages", [2, 4])
+def test_chained_stages_equal_the_whole_model_and_keep_every_name(config: GPTConfig, stages: int) -> None:
+    torch.manual_seed(0)
+    full = GPT(config).eval()
+    spec = gpt_pipeline_spec(full)
+    part = balanced_partition([1.0] * len(spec.blocks), stages)
+    pieces = [
+        prune_to_stage(copy.deepcopy(full), spec, part.blocks(s), is_first=s == 0, is_last=s == stages - 1)
+        for s in range(stages)
+    ]
+    tokens = torch.randint(0, 256, (2, 12))
+    x = tokens
+    for piece in pieces:
+        x = piece(x)
+    torch.testing.assert_close(x, full(tokens), rtol=0, atol=0)
+    # No renaming: every stage's names are the full model's, and together they are all of them.
+    assert set().union(*(_names(p) for p in pieces)) == _names(full)
+    assert "blocks.3.attn.wq.weight" in _names(pieces[-1])
+    assert "tok_emb.weight" not in _names(pieces[-1]) and "head.weight" not in _names(pieces[0])
+
+
+def test_the_lightning_module_finds_the_registered_gpt_spec() -> None:
+    spec = find_registered_spec(GPTLightningModule(GPTConfig(n_layers=3)))
+    assert spec is not None
+    assert list(spec.blocks) == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert list(spec.first) == ["model.tok_emb", "model.pos_emb"] and list(spec.last) == ["model.norm", "model.head"]
+
+
+def test_a_model_without_a_spec_finds_none() -> None:
+    assert find_registered_spec(nn.Sequential(nn.Linear(2, 2))) is None
+
+
+def test_pruning_a_module_list_refuses_to_renumber() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+    spec = PipelineSpec(blocks=["layers.0", "layers.1", "layers.2"])
+    with pytest.raises(ValueError, match=r"Cannot remove 'layers.0' from an nn.ModuleList.*nn.ModuleDict"):
+        prune_to_stage(model, spec, [1, 2], is_first=False, is_last=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"blocks": []}, r"needs at least one block"),
+        ({"blocks": ["a", "b"], "first": ["a"]}, r"names \['a'\] more than once"),
+    ],
+)
+def test_bad_specs_are_rejected(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PipelineSpec(**kwargs)
+
+
+def test_a_spec_naming_missing_modules_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"names modules that do not exist: \['blocks.9'\]"):
+        prune_to_stage(GPT(GPTConfig(n_layers=2)), PipelineSpec(blocks=["blocks.0", "blocks.9"]), [0], is_first=True, is_last=True)
