@@ -147,3 +147,25 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
     assert "HybridParallelStrategy: dp=1 x pp=1 x tp=2 on 2 processes" in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+@pytest.mark.slow
+def test_pipeline_strategy_from_the_command_line(tmp_path: Path) -> None:
+    proc = _train(
+        "strategy=pipeline",
+        "strategy.schedule=gpipe",
+        "strategy.microbatches=8",
+        "model.tie_embeddings=false",
+        "trainer.max_steps=10",
+        "trainer.limit_val_batches=2",
+        "callbacks=none",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "HybridParallelStrategy: dp=1 x pp=2 x tp=1 on 2 processes" in out
+    assert re.search(r"Pipeline: 2 stages by by_layers, blocks per stage \[2, 2\].*predicted bubble 11.1% \(gpipe, 8", out)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_val_loss"] < summary["initial_val_loss"]

@@ -44,10 +44,11 @@ def test_chained_stages_equal_the_whole_model_and_keep_every_name(config: GPTCon
 
 
 def test_the_lightning_module_finds_the_registered_gpt_spec() -> None:
-    spec = find_registered_spec(GPTLightningModule(GPTConfig(n_layers=3)))
-    assert spec is not None
-    assert list(spec.blocks) == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
-    assert list(spec.first) == ["model.tok_emb", "model.pos_emb"] and list(spec.last) == ["model.norm", "model.head"]
+    found = find_registered_spec(GPTLightningModule(GPTConfig(n_layers=3)))
+    assert found is not None
+    root, spec = found
+    assert root == "model" and list(spec.blocks) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(spec.first) == ["tok_emb", "pos_emb"] and list(spec.last) == ["norm", "head"]
 
 
 def test_a_model_without_a_spec_finds_none() -> None:

@@ -6,7 +6,8 @@ and per-rank plain norms would differ across ranks. Here gradients are grouped b
 each group's norm comes from ``torch.nn.utils.get_total_norm`` (a DTensor norm accounts for
 shards and replicas), is made a plain tensor with ``full_tensor()``, and the groups are combined.
 Plain gradients are taken to be identical on every rank that holds them (true for replicated
-parameters once data-parallel gradients are averaged).
+parameters once data-parallel gradients are averaged). Pipeline stages hold disjoint parameters:
+pass their process ``group`` and the per-stage norms are combined over it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -27,23 +29,36 @@ def _groups(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_key.values())
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients together, as a plain scalar tensor, equal on every rank."""
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The norm of all gradients together (over ``group`` too, if given), a plain scalar equal on every rank."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
     norms = []
-    for group in _groups(grads):
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+    for same_kind in _groups(grads):
+        norm = torch.nn.utils.get_total_norm(same_kind, norm_type=norm_type)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norms.append(norm.to(device=grads[0].device, dtype=torch.float32))
-    return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)
+        norms.append(norm.to(dtype=torch.float64))
+    local = torch.linalg.vector_norm(torch.stack(norms), ord=norm_type) if norms else torch.zeros((), dtype=torch.float64)
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    powered = local**norm_type
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, norm_type)
+    total = total_grad_norm(params, norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         assert p.grad is not None

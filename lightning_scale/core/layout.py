@@ -54,8 +54,9 @@ def resolve_layout(
 
     ``"auto"`` rules: ``tensor_parallel="auto"`` takes the processes of one node (tensor
     parallelism wants the fastest links), divided by a fixed ``pipeline_parallel`` if that
-    would not fit; ``pipeline_parallel="auto"`` is 1; ``data_parallel="auto"`` takes whatever
-    remains. The product must equal ``world_size``.
+    would not fit; ``pipeline_parallel="auto"`` takes what a fixed ``data_parallel`` and the
+    tensor size leave (1 when ``data_parallel`` is ``"auto"`` too); ``data_parallel="auto"`` takes
+    whatever remains. The product must equal ``world_size``.
     """
     for name, value in (
         ("data_parallel", data_parallel),
@@ -65,7 +66,11 @@ def resolve_layout(
         check_size(name, value)
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    pp = 1 if pipeline_parallel == "auto" else pipeline_parallel
+    if pipeline_parallel == "auto":
+        fixed_tp = tensor_parallel if isinstance(tensor_parallel, int) else 1
+        pipeline_parallel = world_size // (data_parallel * fixed_tp) if isinstance(data_parallel, int) else 1
+        pipeline_parallel = max(pipeline_parallel, 1)
+    pp = pipeline_parallel
     if tensor_parallel == "auto":
         node = devices_per_node or world_size
         budget = world_size // (pp * (data_parallel if isinstance(data_parallel, int) else 1)) or 1

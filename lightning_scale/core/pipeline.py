@@ -42,16 +42,6 @@ class PipelineSpec:
         if dupes:
             raise ValueError(f"PipelineSpec names {dupes} more than once; each module belongs to one place.")
 
-    def prefixed(self, prefix: str) -> PipelineSpec:
-        """The same spec with every name under ``prefix`` (a submodule's spec seen from its parent)."""
-        if not prefix:
-            return self
-
-        def add(names: Sequence[str]) -> tuple[str, ...]:
-            return tuple(f"{prefix}.{n}" for n in names)
-
-        return PipelineSpec(add(self.blocks), add(self.first), add(self.last), self.loss_fn)
-
 
 SpecFn = Callable[[nn.Module], PipelineSpec]
 _REGISTRY: dict[type[nn.Module], SpecFn] = {}
@@ -64,25 +54,26 @@ def register_pipeline_spec(module_type: type[nn.Module], spec_fn: SpecFn) -> Non
     _REGISTRY[module_type] = spec_fn
 
 
-def find_registered_spec(root: nn.Module) -> PipelineSpec | None:
-    """The spec of the outermost registered module inside ``root``, with names relative to ``root``.
+def find_registered_spec(root: nn.Module) -> tuple[str, PipelineSpec] | None:
+    """``(name, spec)`` of the outermost registered module inside ``root``: ``name`` is its path in
+    ``root`` (``""`` for ``root`` itself) and the spec's names are relative to it.
 
     Raises ``ValueError`` when two registered modules sit side by side (which one to cut is ambiguous).
     """
     found: list[tuple[str, PipelineSpec]] = []
     for name, module in root.named_modules():
-        if any(name == p or name.startswith(p + ".") or p == "" for p, _ in found):
+        if any(p == "" or name == p or name.startswith(p + ".") for p, _ in found):
             continue
         for cls in type(module).__mro__:
             if cls in _REGISTRY:
-                found.append((name, _REGISTRY[cls](module).prefixed(name)))
+                found.append((name, _REGISTRY[cls](module)))
                 break
     if len(found) > 1:
         raise ValueError(
             f"{type(root).__name__} contains several pipelined architectures ({[n for n, _ in found]}); "
             "declare which blocks to cut with a pipeline_spec hook."
         )
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _remove(root: nn.Module, name: str) -> None:

@@ -36,18 +36,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from typing_extensions import override
 
+from lightning_scale.core.checks import format_choices
 from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.layout import MESH_DIMS, Layout, check_size, resolve_layout
+from lightning_scale.core.partition import SCHEDULES
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans
+from lightning_scale.strategies._pipeline import PipelineRunner
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
 _PARALLELIZED = "_lightning_scale_layout"  # set on a LightningModule once its parameters are parallelised
-
-
-def _clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    clip_grad_norm_(params, clip_val)
 
 TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
 """Name of the LightningModule method that supplies a tensor-parallel plan::
@@ -70,7 +68,12 @@ class HybridParallelStrategy(ParallelStrategy):
     Args:
         data_parallel: replicas of the model; ``"auto"`` fills the world.
         tensor_parallel: ranks each layer is split over; ``"auto"``: the processes of one node.
-        pipeline_parallel: pipeline stages (only 1 for now; pipelines arrive in a later release).
+        pipeline_parallel: pipeline stages, one per rank (``"auto"``: what data and tensor
+            parallelism leave). Built with ``torch.distributed.pipelining``; the model declares its
+            blocks through a ``pipeline_spec`` hook or the registry (the reference GPT is registered).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: micro-batches per step; must divide the per-replica batch (default ``2 * pipeline_parallel``).
+        partition: ``"by_layers"`` (equal block counts) or ``"by_params"`` (balanced parameter counts).
         sequence_parallel: shard norms and the residual stream on the sequence between layers
             (for plans that honour it, like the reference GPT's).
         loss_parallel: keep logits sharded on the vocabulary into the loss; training, validation
@@ -83,8 +86,11 @@ class HybridParallelStrategy(ParallelStrategy):
         self,
         data_parallel: int | Literal["auto"] = "auto",
         tensor_parallel: int | Literal["auto"] = 1,
-        pipeline_parallel: int = 1,
+        pipeline_parallel: int | Literal["auto"] = 1,
         *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        partition: str = "by_layers",
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         accelerator: Accelerator | None = None,
@@ -108,12 +114,18 @@ class HybridParallelStrategy(ParallelStrategy):
             ("pipeline_parallel", pipeline_parallel),
         ):
             check_size(name, value)
-        if pipeline_parallel != 1:
-            raise ValueError(
-                f"pipeline_parallel={pipeline_parallel}: pipeline parallelism is not available in this version of "
-                "HybridParallelStrategy yet; use pipeline_parallel=1."
-            )
-        self._sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel, "pipeline_parallel": 1}
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(f"microbatches={microbatches!r} must be a positive integer (or None for 2 x pipeline_parallel)")
+        self._sizes = {
+            "data_parallel": data_parallel,
+            "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
+        }
+        self.schedule, self.microbatches, self.partition = schedule, microbatches, partition
+        self._pipeline: PipelineRunner | None = None
+        self._pipeline_batch: Any = None
         self.sequence_parallel = bool(sequence_parallel)
         self.loss_parallel = bool(loss_parallel)
         self._process_group_backend = process_group_backend
@@ -209,7 +221,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on
         # a mix of DTensor and plain gradients; clip by the norm over every shard and stage instead.
-        self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize(self.lightning_module)
@@ -218,6 +230,11 @@ class HybridParallelStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+        clip_grad_norm_(params, clip_val, group=group)
 
     def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
         tp = self.layout.tp
@@ -263,6 +280,21 @@ class HybridParallelStrategy(ParallelStrategy):
         if done is not None:
             return
         setattr(module, _PARALLELIZED, self.layout)
+        if self.layout.pp > 1:
+            # Pipeline first: each rank keeps its stage, then the other axes apply to that stage.
+            if self.layout.tp > 1 or self.layout.dp > 1:
+                raise ValueError(
+                    f"{self.layout}: pipeline parallelism combined with data or tensor parallelism is not available "
+                    "in this version; use pipeline_parallel with data_parallel=1 and tensor_parallel=1."
+                )
+            self._pipeline = PipelineRunner(
+                module,
+                self.device_mesh["pp"],
+                schedule=self.schedule,
+                microbatches=self.microbatches or 2 * self.layout.pp,
+                partition=self.partition,
+                device=self.root_device,
+            )
         if self.layout.tp > 1:
             apply_tensor_parallel(module, self.device_mesh["tp"], self._tensor_parallel_plan(module))
         if self.layout.dp == 1 or self.layout.tp == 1:
@@ -293,21 +325,49 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            # Lightning zeroes gradients between training_step and backward: the schedule (forward
+            # and backward together) runs in `backward`. The module's training_step is not called.
+            self._pipeline_batch = args[0]
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         with self._loss_context():
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_eval(args[0], "val/loss")
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline_eval(args[0], "test/loss")
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
     @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise NotImplementedError("predict with pipeline_parallel > 1 is not available in this version.")
+        return super().predict_step(*args, **kwargs)
+
+    def _pipeline_eval(self, batch: Any, name: str) -> Tensor:
+        assert self._pipeline is not None
+        loss = self._pipeline.eval_step(batch)
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            assert self.lightning_module is not None
+            loss = self._pipeline.train_step(self._pipeline_batch, self.lightning_module.trainer.accumulate_grad_batches)
+            self._pipeline_batch = None
+            # Every rank logs the last stage's loss (the pipeline broadcast it).
+            self.lightning_module.log("train/loss", loss, prog_bar=True, sync_dist=True)
+            return closure_loss
         # loss_parallel's cross entropy must also be differentiated inside the context.
         with self._loss_context():
             return super().backward(closure_loss, *args, **kwargs)
@@ -342,29 +402,54 @@ class HybridParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    _FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
+
+    def _gather_stages(self, local: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every pipeline stage's piece (each stage holds disjoint parameters), on every rank."""
+        parts: list[Any] = [None] * self.layout.pp
+        torch.distributed.all_gather_object(parts, local, group=self.device_mesh["pp"].get_group())
+        return parts
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Full (gathered) tensors under the original names: a checkpoint loads at any layout.
         assert self.model is not None
-        return get_model_state_dict(self.lightning_module, options=self._FULL)
+        if self.layout.pp == 1:
+            return get_model_state_dict(self.lightning_module, options=self._FULL)
+        local = get_model_state_dict(self.lightning_module, options=self._FULL_EVERYWHERE)
+        return {k: v for part in self._gather_stages({k: v.cpu() for k, v in local.items()}) for k, v in part.items()}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        set_model_state_dict(
-            self.lightning_module,
-            checkpoint["state_dict"],
-            options=StateDictOptions(full_state_dict=True, strict=strict),
-        )
+        state = checkpoint["state_dict"]
+        if self.layout.pp > 1:
+            # A pipeline stage holds only its own blocks; the checkpoint holds every stage's.
+            state = {k: v for k, v in state.items() if k in self.lightning_module.state_dict()}
+        set_model_state_dict(self.lightning_module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL)
+        if self.layout.pp == 1:
+            return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL)
+        local = get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL_EVERYWHERE)
+        parts = self._gather_stages(_to_cpu(local))
+        merged = {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": []}
+        for groups in zip(*(part["param_groups"] for part in parts), strict=True):
+            merged["param_groups"].append({**groups[0], "params": [n for g in groups for n in g["params"]]})
+        return merged
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        local_names = set(self.lightning_module.state_dict())
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            if self.layout.pp > 1:
+                state = {
+                    "state": {k: v for k, v in state["state"].items() if k in local_names},
+                    "param_groups": [
+                        {**g, "params": [n for n in g["params"] if n in local_names]} for g in state["param_groups"]
+                    ],
+                }
             set_optimizer_state_dict(
                 self.lightning_module,
                 getattr(optimizer, "_optimizer", optimizer),
@@ -384,8 +469,25 @@ class HybridParallelStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("hybrid", cls, description="data x tensor x pipeline parallelism (lightning-scale)")
         strategy_registry.register(
+            "pipeline",
+            cls,
+            description="pipeline parallelism over all processes (lightning-scale)",
+            data_parallel=1,
+            pipeline_parallel="auto",
+        )
+        strategy_registry.register(
             "tensor_parallel",
             cls,
             description="tensor parallelism over all processes of a node (lightning-scale)",
             tensor_parallel="auto",
         )
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,165 @@
+"""Running a LightningModule's model as one pipeline stage per rank with torch.distributed.pipelining.
+
+Lightning zeroes gradients after ``training_step`` returns and before ``backward``, so the
+schedule (forward and backward together) cannot run inside ``training_step``: the strategy's
+``training_step`` keeps the batch and returns a placeholder, and its ``backward`` runs the
+schedule. Loss scaling is ours: torch's ``scale_grads`` would divide by the micro-batch count
+only, turning gradient accumulation into an average, so each micro-batch loss is multiplied by
+``1 / (microbatches * accumulate_grad_batches)`` and ``scale_grads=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from lightning_scale.core.partition import Partition, balanced_partition, bubble_fraction, partition_by_layers
+from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
+
+__all__ = ["PIPELINE_SPEC_HOOK", "PipelineRunner", "pipeline_spec_of"]
+
+PIPELINE_SPEC_HOOK = "pipeline_spec"
+"""LightningModule method returning ``(root, spec)``: the name of the module whose ``forward``
+runs a stage (``""`` for the LightningModule itself) and a :class:`PipelineSpec` relative to it."""
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+PARTITIONS = ("by_layers", "by_params")
+
+
+def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
+    """``(root, spec)`` from the LightningModule's hook, else from the registry of architectures."""
+    hook = getattr(module, PIPELINE_SPEC_HOOK, None)
+    found = hook() if callable(hook) else find_registered_spec(module)
+    if found is None:
+        raise ValueError(
+            f"pipeline_parallel > 1 needs to know where {type(module).__name__} may be cut, but it declares no "
+            f"blocks: define `{PIPELINE_SPEC_HOOK}(self) -> (root_module_name, PipelineSpec(blocks=..., first=..., "
+            "last=..., loss_fn=...))` or register the architecture with "
+            "lightning_scale.core.pipeline.register_pipeline_spec."
+        )
+    return found
+
+
+class PipelineRunner:
+    """One stage per rank of the ``pp`` mesh dimension; the LightningModule is pruned in place."""
+
+    def __init__(
+        self,
+        module: LightningModule,
+        mesh: DeviceMesh,
+        *,
+        schedule: str,
+        microbatches: int,
+        partition: str,
+        device: torch.device,
+    ) -> None:
+        if schedule not in _SCHEDULES:
+            raise ValueError(
+                f"schedule={schedule!r} is not available in this version; use 'gpipe' or '1f1b' "
+                "(interleaved and zero-bubble schedules arrive with multi-stage support)."
+            )
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition={partition!r} is not one of {PARTITIONS}.")
+        self.mesh, self.microbatches = mesh, microbatches
+        self.pp_size, self.pp_rank = mesh.size(), mesh.get_local_rank()
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        root_name, spec = pipeline_spec_of(module)
+        if spec.loss_fn is None:
+            raise ValueError("The pipeline spec has no loss_fn; the last stage needs one to compute the loss.")
+        root = module.get_submodule(root_name) if root_name else module
+        if len(spec.blocks) < self.pp_size:
+            raise ValueError(
+                f"pipeline_parallel={self.pp_size} is larger than the {len(spec.blocks)} blocks "
+                f"{type(root).__name__} declares; use pipeline_parallel <= {len(spec.blocks)}."
+            )
+        self.partition = self._partition(root, spec, partition)
+        tied_before = _tied_names(root)
+        prune_to_stage(
+            root, spec, self.partition.blocks(self.pp_rank), is_first=self.is_first, is_last=self.is_last
+        )
+        _check_ties_survive(root, tied_before, self.pp_size)
+        rank_zero_info(
+            f"Pipeline: {self.pp_size} stages by {partition}, blocks per stage "
+            f"{[len(self.partition.blocks(s)) for s in range(self.pp_size)]}, stage costs "
+            f"{[round(c, 1) for c in self.partition.costs]}, predicted bubble "
+            f"{bubble_fraction(schedule, self.pp_size, microbatches):.1%} ({schedule}, {microbatches} micro-batches)"
+        )
+        self._loss_fn = spec.loss_fn
+        self._scale = 1.0
+        stage = PipelineStage(root, self.pp_rank, self.pp_size, device, group=mesh.get_group())
+        self.schedule = _SCHEDULES[schedule](stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        self._last_global_rank = int(mesh.mesh.flatten()[-1])
+
+    def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str) -> Partition:
+        def params(names: Any) -> float:
+            return float(sum(p.numel() for n in names for p in root.get_submodule(n).parameters()))
+
+        weights = [params([b]) for b in spec.blocks]
+        first, last = params(spec.first), params(spec.last)
+        if kind == "by_layers":
+            return partition_by_layers(len(weights), self.pp_size, weights, first, last)
+        return balanced_partition(weights, self.pp_size, first, last)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) * self._scale
+
+    def _split(self, batch: Any) -> tuple[Any, Any]:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                f"With pipeline parallelism a batch must be (inputs, target); got {type(batch).__name__}. "
+                "The first stage feeds inputs to the model, the last compares its output with target."
+            )
+        inputs, target = batch
+        if inputs.size(0) % self.microbatches:
+            raise ValueError(
+                f"microbatches={self.microbatches} does not divide the per-replica batch of {inputs.size(0)} samples; "
+                "pipeline schedules need equal micro-batches. Choose microbatches dividing the batch size."
+            )
+        return inputs, target
+
+    def _run(self, batch: Any, scale: float, train: bool) -> torch.Tensor:
+        inputs, target = self._split(batch)
+        self._scale = scale
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []  # one scaled loss per micro-batch, filled on the last stage
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        # Only the last stage knows the loss; every rank logs the true value. float64 on every rank:
+        # the broadcast must have the same size everywhere, whatever the model's precision.
+        loss = torch.zeros((), device=inputs.device, dtype=torch.float64)
+        if self.is_last:
+            loss = (torch.stack([l.detach() for l in losses]).mean() / scale).to(torch.float64)
+        dist.broadcast(loss, src=self._last_global_rank, group=self.mesh.get_group())
+        return loss
+
+    def train_step(self, batch: Any, accumulate_grad_batches: int) -> torch.Tensor:
+        return self._run(batch, 1.0 / (self.microbatches * accumulate_grad_batches), train=True)
+
+    def eval_step(self, batch: Any) -> torch.Tensor:
+        return self._run(batch, 1.0, train=False)
+
+
+def _tied_names(root: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _check_ties_survive(root: nn.Module, tied: list[list[str]], pp_size: int) -> None:
+    present = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+    for names in tied:
+        here = [n for n in names if n in present]
+        if here and len(here) != len(names):
+            raise ValueError(
+                f"Parameters {names} are tied but land on different pipeline stages (pipeline_parallel={pp_size}); "
+                "syncing tied weights across stages is not supported yet. Untie them (for the reference GPT: "
+                "model.tie_embeddings=false) or use pipeline_parallel=1."
+            )

@@ -1,0 +1,165 @@
+"""Pipeline parallelism inside Lightning's loop: parity with one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from helpers.lightning import quiet_trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import lightning_scale  # noqa: F401
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.strategies import HybridParallelStrategy
+
+STEPS = 20
+CONFIG = GPTConfig(n_layers=4, d_model=64, n_heads=4, block_size=32, tie_embeddings=False)
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def _fit(strategy: Any, devices: int, accumulate: int = 1) -> dict[str, Any]:
+    seed_everything(0, verbose=False)
+    record = _Record()
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=accumulate,
+        callbacks=[record],
+        limit_val_batches=4,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+    )
+    module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3)
+    datamodule = TextDataModule(seq_len=32, global_batch_size=8)
+    trainer.fit(module, datamodule=datamodule)
+    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    if devices > 1:
+        local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
+        torch.distributed.all_gather_object(parts, local)
+        state = {k: v for part in parts for k, v in part.items()}
+    else:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"losses": record.losses, "val": val, "state": state}
+
+
+def _pipeline(rank: int, world: int, schedule: str, accumulate: int) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, schedule=schedule, microbatches=4)
+    return _fit(strategy, world, accumulate)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return _fit("auto", 1)
+
+
+def _assert_parity(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    for result in results:
+        # Every rank logs the last stage's loss.
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
+        assert result["val"] == pytest.approx(reference["val"], rel=1e-5)
+        assert result["state"].keys() == reference["state"].keys()
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_matches_one_process(single: dict[str, Any], schedule: str) -> None:
+    _assert_parity(run_distributed(_pipeline, 2, schedule, 1, timeout=180), single)
+
+
+@pytest.mark.slow
+def test_pp2_with_gradient_accumulation_and_clipping_matches_one_process() -> None:
+    reference = _fit("auto", 1, accumulate=2)
+    _assert_parity(run_distributed(_pipeline, 2, "1f1b", 2, timeout=180), reference)
+
+
+def _pipeline_error(rank: int, world: int, config: GPTConfig, kwargs: dict) -> str:
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, **kwargs)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    try:
+        trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "match"),
+    [
+        (GPTConfig(n_layers=1, tie_embeddings=False), {}, r"pipeline_parallel=2 is larger than the 1 blocks GPT declares"),
+        (CONFIG, {"microbatches": 3}, r"microbatches=3 does not divide the per-replica batch of 4 samples"),
+        (GPTConfig(n_layers=2), {}, r"tied but land on different pipeline stages.*tie_embeddings=false"),
+    ],
+    ids=["more-stages-than-blocks", "microbatches", "tied-across-stages"],
+)
+def test_pipeline_errors_name_the_fix(config: GPTConfig, kwargs: dict, match: str) -> None:
+    import re
+
+    for message in run_distributed(_pipeline_error, 2, config, kwargs, timeout=120):
+        assert re.search(match, message), message
+
+
+def test_unknown_schedule_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"Unknown pipeline schedule 'pipedream'. Valid schedules: '1f1b', 'dualpipev'"):
+        HybridParallelStrategy(pipeline_parallel=2, schedule="pipedream")
+
+
+def test_a_model_that_declares_no_blocks_is_rejected() -> None:
+    from lightning.pytorch import LightningModule
+
+    from lightning_scale.strategies._pipeline import pipeline_spec_of
+
+    with pytest.raises(ValueError, match=r"declares no blocks: define `pipeline_spec\(self\)"):
+        pipeline_spec_of(LightningModule())
+
+
+def _pp2_fit_and_save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    seed_everything(0, verbose=False)
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=4)
+    trainer = quiet_trainer(devices=world, strategy=strategy, precision="64-true", max_steps=3)
+    module = GPTLightningModule(CONFIG, learning_rate=3e-3)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=8))
+    trainer.save_checkpoint(path)
+    return trainer.strategy.lightning_module_state_dict()
+
+
+def _pp2_load(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=4)
+    trainer = quiet_trainer(devices=world, strategy=strategy, precision="64-true", max_steps=3, limit_val_batches=1)
+    module = GPTLightningModule(CONFIG)
+    trainer.validate(module, datamodule=TextDataModule(seq_len=32, global_batch_size=8), ckpt_path=path, verbose=False)
+    return trainer.strategy.lightning_module_state_dict()
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_pp2_and_pp1(tmp_path) -> None:
+    saved = run_distributed(_pp2_fit_and_save, 2, str(tmp_path / "pp2.ckpt"), timeout=180)[0]
+    # pp=2 -> pp=1: every stage's parameters, under the original names.
+    single = GPTLightningModule.load_from_checkpoint(tmp_path / "pp2.ckpt", map_location="cpu").double()
+    assert single.state_dict().keys() == saved.keys()
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(value, saved[name].double(), rtol=1e-6, atol=0, msg=name)
+    # pp=1 -> pp=2: a plain Lightning checkpoint of the single-process model loads into the stages.
+    trainer = quiet_trainer(devices=1, max_steps=0)
+    trainer.strategy.connect(single)
+    trainer.save_checkpoint(tmp_path / "pp1.ckpt")
+    loaded = run_distributed(_pp2_load, 2, str(tmp_path / "pp1.ckpt"), timeout=180)
+    for result in loaded:
+        for name, value in single.state_dict().items():
+            torch.testing.assert_close(result[name].double(), value, rtol=0, atol=0, msg=name)
