@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.distributed import run_distributed
 from helpers.lightning import quiet_trainer
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import lightning_scale  # noqa: F401
@@ -163,3 +163,98 @@ def test_checkpoints_move_between_pp2_and_pp1(tmp_path) -> None:
     for result in loaded:
         for name, value in single.state_dict().items():
             torch.testing.assert_close(result[name].double(), value, rtol=0, atol=0, msg=name)
+
+
+# ---------------------------------------------------------------- a second architecture, through the public hook
+
+
+class _MLPStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleDict(
+            {str(i): torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for i in range(4)}
+        )
+        self.out = torch.nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = x + block(x)
+        return self.out(x) if self.out is not None else x
+
+
+def _mlp_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+class _MLPModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _MLPStack()
+
+    def pipeline_spec(self) -> tuple[str, Any]:
+        from lightning_scale.core.pipeline import PipelineSpec
+
+        blocks = [f"blocks.{k}" for k in self.net.blocks]
+        return "net", PipelineSpec(blocks=blocks, first=["embed"], last=["out"], loss_fn=_mlp_loss)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _mlp_loss(self.net(batch[0]), batch[1])
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _mlp_loss(self.net(batch[0]), batch[1])
+        self.log("val/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _fit_mlp(strategy: Any, devices: int) -> dict[str, Any]:
+    seed_everything(0, verbose=False)
+    record = _Record()
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, precision="64-true", max_steps=STEPS, gradient_clip_val=0.5, callbacks=[record]
+    )
+    module = _MLPModule()
+    trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+    state = trainer.strategy.lightning_module_state_dict() if devices > 1 else module.state_dict()
+    return {"losses": record.losses, "state": {k: v.detach().clone() for k, v in state.items()}}
+
+
+def _mlp_pipeline(rank: int, world: int) -> dict[str, Any]:
+    return _fit_mlp(HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2), world)
+
+
+@pytest.mark.slow
+def test_second_architecture_pp2_matches_one_process() -> None:
+    reference = _fit_mlp("auto", 1)
+    for result in run_distributed(_mlp_pipeline, 2, timeout=180):
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
+        assert result["state"].keys() == reference["state"].keys()
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _varying_shapes(rank: int, world: int) -> str:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=3, use_distributed_sampler=False)
+    tokens = torch.randint(0, 256, (6, 17))
+    # 6 samples in batches of 4: the last batch has 2 (no drop_last).
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    try:
+        trainer.fit(_MLPModule(), train_dataloaders=loader)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_batches_of_varying_shape_are_rejected() -> None:
+    for message in run_distributed(_varying_shapes, 2, timeout=120):
+        assert "need fixed-shape batches: the first batch had inputs of shape (4, 16), this one (2, 16)" in message

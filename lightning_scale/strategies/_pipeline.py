@@ -93,6 +93,7 @@ class PipelineRunner:
         )
         self._loss_fn = spec.loss_fn
         self._scale = 1.0
+        self._shape: tuple[int, ...] | None = None  # stage buffers are sized on the first batch
         stage = PipelineStage(root, self.pp_rank, self.pp_size, device, group=mesh.get_group())
         self.schedule = _SCHEDULES[schedule](stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self._last_global_rank = int(mesh.mesh.flatten()[-1])
@@ -117,6 +118,13 @@ class PipelineRunner:
                 "The first stage feeds inputs to the model, the last compares its output with target."
             )
         inputs, target = batch
+        if self._shape is None:
+            self._shape = tuple(inputs.shape)
+        elif tuple(inputs.shape) != self._shape:
+            raise ValueError(
+                f"Pipeline schedules need fixed-shape batches: the first batch had inputs of shape {self._shape}, "
+                f"this one {tuple(inputs.shape)}. Use fixed-length sequences and drop_last=True (TextDataModule does)."
+            )
         if inputs.size(0) % self.microbatches:
             raise ValueError(
                 f"microbatches={self.microbatches} does not divide the per-replica batch of {inputs.size(0)} samples; "
