@@ -132,17 +132,15 @@ def test_planned_data_parallel_size(overrides: list[str], expected: int) -> None
     assert planned_data_parallel_size(_cfg(*overrides)) == expected
 
 
+def _short_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """10 steps on 2 processes, no checkpoints or loggers, into tmp_path/run."""
+    fixed = ["trainer.max_steps=10", "trainer.limit_val_batches=2", "callbacks=none", "logger=none"]
+    return _train(*overrides, *fixed, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
-    proc = _train(
-        "strategy=tensor_parallel",
-        "trainer.max_steps=10",
-        "trainer.limit_val_batches=2",
-        "callbacks=none",
-        "logger=none",
-        f"hydra.run.dir={tmp_path / 'run'}",
-        timeout=300,
-    )
+    proc = _short_run(tmp_path, "strategy=tensor_parallel")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "HybridParallelStrategy: dp=1 x pp=1 x tp=2 on 2 processes" in proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -151,17 +149,8 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pipeline_strategy_from_the_command_line(tmp_path: Path) -> None:
-    proc = _train(
-        "strategy=pipeline",
-        "strategy.schedule=gpipe",
-        "strategy.microbatches=8",
-        "model.tie_embeddings=false",
-        "trainer.max_steps=10",
-        "trainer.limit_val_batches=2",
-        "callbacks=none",
-        "logger=none",
-        f"hydra.run.dir={tmp_path / 'run'}",
-        timeout=300,
+    proc = _short_run(
+        tmp_path, "strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=8", "model.tie_embeddings=false"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

@@ -45,6 +45,7 @@ __all__ = [
     "local_numel",
     "register_plan",
     "resolve_plan",
+    "tied_parameter_groups",
 ]
 
 STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
@@ -138,7 +139,8 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, ParallelStyle | str]) -> 
     return resolved
 
 
-def _tied_groups(module: nn.Module) -> list[list[str]]:
+def tied_parameter_groups(module: nn.Module) -> list[list[str]]:
+    """Names of parameters shared by several modules, one list per shared parameter."""
     by_id: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
@@ -160,7 +162,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str
     if mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D tensor-parallel mesh, got {mesh.ndim}-D {mesh}")
     resolved = resolve_plan(module, plan)
-    tied = _tied_groups(module)
+    tied = tied_parameter_groups(module)
     parallelize_module(module, mesh, resolved)
     for names in tied:
         params = [module.get_parameter(n) for n in names]

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from lightning_scale.core.partition import Partition, balanced_partition, bubble_fraction, partition_by_layers
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
+from lightning_scale.core.tensor_parallel import tied_parameter_groups
 
 __all__ = ["PIPELINE_SPEC_HOOK", "PipelineRunner", "pipeline_spec_of"]
 
@@ -80,7 +81,7 @@ class PipelineRunner:
                 f"{type(root).__name__} declares; use pipeline_parallel <= {len(spec.blocks)}."
             )
         self.partition = self._partition(root, spec, partition)
-        tied_before = _tied_names(root)
+        tied_before = tied_parameter_groups(root)
         prune_to_stage(
             root, spec, self.partition.blocks(self.pp_rank), is_first=self.is_first, is_last=self.is_last
         )
@@ -152,13 +153,6 @@ class PipelineRunner:
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         return self._run(batch, 1.0, train=False)
-
-
-def _tied_names(root: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, param in root.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _check_ties_survive(root: nn.Module, tied: list[list[str]], pp_size: int) -> None:
