@@ -120,6 +120,16 @@ def test_unknown_schedule_lists_the_valid_ones() -> None:
         HybridParallelStrategy(pipeline_parallel=2, schedule="pipedream")
 
 
+def test_multi_stage_schedules_are_refused_up_front_for_now() -> None:
+    with pytest.raises(ValueError, match=r"schedule='interleaved_1f1b' runs several stages per rank.*'1f1b', 'gpipe'"):
+        HybridParallelStrategy(pipeline_parallel=2, schedule="interleaved_1f1b")
+
+
+def test_unknown_partition_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"partition='by_magic' is not one of 'by_layers', 'by_params'"):
+        HybridParallelStrategy(pipeline_parallel=2, partition="by_magic")
+
+
 def test_a_model_that_declares_no_blocks_is_rejected() -> None:
     from lightning.pytorch import LightningModule
 

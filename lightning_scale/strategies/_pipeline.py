@@ -24,13 +24,14 @@ from lightning_scale.core.partition import Partition, balanced_partition, bubble
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
 from lightning_scale.core.tensor_parallel import tied_parameter_groups
 
-__all__ = ["PIPELINE_SPEC_HOOK", "PipelineRunner", "pipeline_spec_of"]
+__all__ = ["PARTITIONS", "PIPELINE_SPEC_HOOK", "RUNNABLE_SCHEDULES", "PipelineRunner", "pipeline_spec_of"]
 
 PIPELINE_SPEC_HOOK = "pipeline_spec"
 """LightningModule method returning ``(root, spec)``: the name of the module whose ``forward``
 runs a stage (``""`` for the LightningModule itself) and a :class:`PipelineSpec` relative to it."""
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+RUNNABLE_SCHEDULES = tuple(_SCHEDULES)
 PARTITIONS = ("by_layers", "by_params")
 
 
@@ -61,13 +62,7 @@ class PipelineRunner:
         partition: str,
         device: torch.device,
     ) -> None:
-        if schedule not in _SCHEDULES:
-            raise ValueError(
-                f"schedule={schedule!r} is not available in this version; use 'gpipe' or '1f1b' "
-                "(interleaved and zero-bubble schedules arrive with multi-stage support)."
-            )
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition={partition!r} is not one of {PARTITIONS}.")
+        # schedule and partition were checked by the strategy's constructor.
         self.mesh, self.microbatches = mesh, microbatches
         self.pp_size, self.pp_rank = mesh.size(), mesh.get_local_rank()
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1

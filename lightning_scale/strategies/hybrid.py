@@ -41,7 +41,7 @@ from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.layout import MESH_DIMS, Layout, check_size, resolve_layout
 from lightning_scale.core.partition import SCHEDULES
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans
-from lightning_scale.strategies._pipeline import PipelineRunner
+from lightning_scale.strategies._pipeline import PARTITIONS, RUNNABLE_SCHEDULES, PipelineRunner
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
@@ -116,6 +116,13 @@ class HybridParallelStrategy(ParallelStrategy):
             check_size(name, value)
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
+        if pipeline_parallel != 1 and schedule not in RUNNABLE_SCHEDULES:
+            raise ValueError(
+                f"schedule={schedule!r} runs several stages per rank, which this version does not support yet; "
+                f"use one of {format_choices(RUNNABLE_SCHEDULES)}."
+            )
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition={partition!r} is not one of {format_choices(PARTITIONS)}.")
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer (or None for 2 x pipeline_parallel)")
         self._sizes = {
