@@ -150,7 +150,7 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pipeline_strategy_from_the_command_line(tmp_path: Path) -> None:
     proc = _short_run(
-        tmp_path, "strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=8", "model.tie_embeddings=false"
+        tmp_path, "strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=8"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr

@@ -55,10 +55,16 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     group: dist.ProcessGroup | None = None,
+    norm_parameters: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    ``norm_parameters`` (default: ``parameters``) are the ones counted in the norm: leave out a copy
+    of a parameter that another rank of ``group`` already counts (a tied weight split over stages).
+    """
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, norm_type, group)
+    counted = params if norm_parameters is None else [p for p in norm_parameters if p.grad is not None]
+    total = total_grad_norm(counted, norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         assert p.grad is not None

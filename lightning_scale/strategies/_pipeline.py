@@ -76,11 +76,26 @@ class PipelineRunner:
                 f"{type(root).__name__} declares; use pipeline_parallel <= {len(spec.blocks)}."
             )
         self.partition = self._partition(root, spec, partition)
-        tied_before = tied_parameter_groups(root)
+        tied = [(names, tuple(root.get_parameter(names[0]).shape)) for names in tied_parameter_groups(root)]
         prune_to_stage(
             root, spec, self.partition.blocks(self.pp_rank), is_first=self.is_first, is_last=self.is_last
         )
-        _check_ties_survive(root, tied_before, self.pp_size)
+        present = {n for n, _ in root.named_parameters(remove_duplicate=False)}
+        # A parameter shared by modules on different stages (a tied embedding and output head) now
+        # has a copy on each of those stages: their gradients are summed after every backward, so
+        # the copies get the single-process gradient and stay equal.
+        self._split_ties: list[tuple[nn.Parameter | None, tuple[int, ...], bool]] = []
+        for names, shape in tied:
+            here = [n for n in names if n in present]
+            if here and len(here) == len(names):
+                continue  # the whole group stayed on this stage
+            holders = torch.tensor([1 if here else 0], device=device)
+            dist.all_reduce(holders, group=mesh.get_group())
+            param = root.get_parameter(here[0]) if here else None
+            # Count the parameter once in the gradient norm: on the first stage that holds it.
+            first_holder = torch.tensor([self.pp_rank if here else self.pp_size], device=device)
+            dist.all_reduce(first_holder, op=dist.ReduceOp.MIN, group=mesh.get_group())
+            self._split_ties.append((param, shape, bool(here) and int(first_holder) == self.pp_rank))
         rank_zero_info(
             f"Pipeline: {self.pp_size} stages by {partition}, blocks per stage "
             f"{[len(self.partition.blocks(s)) for s in range(self.pp_size)]}, stage costs "
@@ -144,19 +159,24 @@ class PipelineRunner:
         return loss
 
     def train_step(self, batch: Any, accumulate_grad_batches: int) -> torch.Tensor:
-        return self._run(batch, 1.0 / (self.microbatches * accumulate_grad_batches), train=True)
+        loss = self._run(batch, 1.0 / (self.microbatches * accumulate_grad_batches), train=True)
+        self._sum_split_tie_grads()
+        return loss
+
+    def _sum_split_tie_grads(self) -> None:
+        for param, shape, _ in self._split_ties:
+            # Stages without a copy join with zeros: the collective runs over the whole pp group.
+            if param is None:
+                grad = torch.zeros(shape, device=self.mesh.device_type)
+            else:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            dist.all_reduce(grad, group=self.mesh.get_group())
+
+    def excluded_from_norm(self) -> set[int]:
+        """ids of tied copies that another stage already counts in the global gradient norm."""
+        return {id(p) for p, _, counted in self._split_ties if p is not None and not counted}
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         return self._run(batch, 1.0, train=False)
-
-
-def _check_ties_survive(root: nn.Module, tied: list[list[str]], pp_size: int) -> None:
-    present = {n for n, _ in root.named_parameters(remove_duplicate=False)}
-    for names in tied:
-        here = [n for n in names if n in present]
-        if here and len(here) != len(names):
-            raise ValueError(
-                f"Parameters {names} are tied but land on different pipeline stages (pipeline_parallel={pp_size}); "
-                "syncing tied weights across stages is not supported yet. Untie them (for the reference GPT: "
-                "model.tie_embeddings=false) or use pipeline_parallel=1."
-            )

@@ -240,8 +240,16 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
-        clip_grad_norm_(params, clip_val, group=group)
+        if self._pipeline is None:
+            clip_grad_norm_(params, clip_val)
+            return
+        skip = self._pipeline.excluded_from_norm()
+        clip_grad_norm_(
+            params,
+            clip_val,
+            group=self.device_mesh["pp"].get_group(),
+            norm_parameters=[p for p in params if id(p) not in skip],
+        )
 
     def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
         tp = self.layout.tp
