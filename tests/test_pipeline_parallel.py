@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -132,7 +133,7 @@ def test_multi_stage_schedules_are_refused_up_front_for_now() -> None:
 
 
 def test_unknown_partition_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"partition='by_magic' is not one of 'by_layers', 'by_params'"):
+    with pytest.raises(ValueError, match=r"partition='by_magic' is not one of 'by_cost', 'by_layers', 'by_params'"):
         HybridParallelStrategy(pipeline_parallel=2, partition="by_magic")
 
 
@@ -274,3 +275,51 @@ def _varying_shapes(rank: int, world: int) -> str:
 def test_batches_of_varying_shape_are_rejected() -> None:
     for message in run_distributed(_varying_shapes, 2, timeout=120):
         assert "need fixed-shape batches: the first batch had inputs of shape (4, 16), this one (2, 16)" in message
+
+
+# ---------------------------------------------------------------- by_cost: blocks with known costs
+
+
+class _SlowBlock(torch.nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x + self.linear(x)
+
+
+class _SlowStack(_MLPStack):
+    COSTS = (0.06, 0.01, 0.01, 0.01)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict({str(i): _SlowBlock(c) for i, c in enumerate(self.COSTS)})
+
+
+class _SlowModule(_MLPModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _SlowStack()
+
+
+def _partition_ranges(rank: int, world: int, partition: str) -> tuple[Any, ...]:
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, partition=partition)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    trainer.fit(_SlowModule(), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    part = trainer.strategy._pipeline.partition
+    return part.ranges, part.costs
+
+
+def test_by_cost_puts_the_slow_block_alone_and_beats_by_layers() -> None:
+    by_cost = run_distributed(_partition_ranges, 2, "by_cost", timeout=120)
+    by_layers = run_distributed(_partition_ranges, 2, "by_layers", timeout=120)
+    assert all(r[0] == ((0, 1), (1, 4)) for r in by_cost), by_cost  # same cut on every rank
+    assert by_layers[0][0] == ((0, 2), (2, 4))
+    measured_slowest = max(by_cost[0][1])
+    assert 0.055 < measured_slowest < 0.12  # the 0.06 s block (plus small first/last costs)
+    # by_layers' stages under the same known costs: 0.07 vs 0.02 s; by_cost's: 0.06 vs 0.03 s.
+    known = _SlowStack.COSTS
+    assert max(sum(known[a:b]) for a, b in by_cost[0][0]) < max(sum(known[a:b]) for a, b in by_layers[0][0])

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import time
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
@@ -24,7 +27,14 @@ from lightning_scale.core.partition import Partition, balanced_partition, bubble
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
 from lightning_scale.core.tensor_parallel import tied_parameter_groups
 
-__all__ = ["PARTITIONS", "PIPELINE_SPEC_HOOK", "RUNNABLE_SCHEDULES", "PipelineRunner", "pipeline_spec_of"]
+__all__ = [
+    "PARTITIONS",
+    "PIPELINE_SPEC_HOOK",
+    "RUNNABLE_SCHEDULES",
+    "PipelineRunner",
+    "measure_costs",
+    "pipeline_spec_of",
+]
 
 PIPELINE_SPEC_HOOK = "pipeline_spec"
 """LightningModule method returning ``(root, spec)``: the name of the module whose ``forward``
@@ -32,7 +42,7 @@ runs a stage (``""`` for the LightningModule itself) and a :class:`PipelineSpec`
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 RUNNABLE_SCHEDULES = tuple(_SCHEDULES)
-PARTITIONS = ("by_layers", "by_params")
+PARTITIONS = ("by_layers", "by_params", "by_cost")
 
 
 def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
@@ -61,9 +71,11 @@ class PipelineRunner:
         microbatches: int,
         partition: str,
         device: torch.device,
+        example_batch: Any = None,
     ) -> None:
         # schedule and partition were checked by the strategy's constructor.
         self.mesh, self.microbatches = mesh, microbatches
+        self._shape: tuple[int, ...] | None = None  # stage buffers are sized on the first batch
         self.pp_size, self.pp_rank = mesh.size(), mesh.get_local_rank()
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         root_name, spec = pipeline_spec_of(module)
@@ -75,7 +87,12 @@ class PipelineRunner:
                 f"pipeline_parallel={self.pp_size} is larger than the {len(spec.blocks)} blocks "
                 f"{type(root).__name__} declares; use pipeline_parallel <= {len(spec.blocks)}."
             )
-        self.partition = self._partition(root, spec, partition)
+        if partition == "by_cost" and example_batch is None:
+            raise ValueError(
+                "partition='by_cost' times every block on a real batch at set-up, so it needs a datamodule "
+                "(trainer.fit(model, datamodule=...)); with plain dataloaders use partition='by_params'."
+            )
+        self.partition = self._partition(root, spec, partition, example_batch)
         tied = [(names, tuple(root.get_parameter(names[0]).shape)) for names in tied_parameter_groups(root)]
         prune_to_stage(
             root, spec, self.partition.blocks(self.pp_rank), is_first=self.is_first, is_last=self.is_last
@@ -104,12 +121,20 @@ class PipelineRunner:
         )
         self._loss_fn = spec.loss_fn
         self._scale = 1.0
-        self._shape: tuple[int, ...] | None = None  # stage buffers are sized on the first batch
         stage = PipelineStage(root, self.pp_rank, self.pp_size, device, group=mesh.get_group())
         self.schedule = _SCHEDULES[schedule](stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self._last_global_rank = int(mesh.mesh.flatten()[-1])
 
-    def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str) -> Partition:
+    def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str, example_batch: Any) -> Partition:
+        if kind == "by_cost":
+            weights, first, last = measure_costs(root, spec, self._split(example_batch), self.microbatches)
+            # Timings differ a little between ranks; every rank must cut the same way.
+            costs = torch.tensor([*weights, first, last], dtype=torch.float64)
+            dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+            *weights, first, last = costs.tolist()
+            self._shape = None  # the example batch does not fix the training shape
+            return balanced_partition(weights, self.pp_size, first, last)
+
         def params(names: Any) -> float:
             return float(sum(p.numel() for n in names for p in root.get_submodule(n).parameters()))
 
@@ -180,3 +205,57 @@ class PipelineRunner:
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         return self._run(batch, 1.0, train=False)
+
+
+def measure_costs(
+    root: nn.Module, spec: PipelineSpec, batch: tuple[Any, Any], microbatches: int, repeats: int = 2
+) -> tuple[list[float], float, float]:
+    """Seconds of forward + backward of each block, of the ``first`` modules and of the ``last``
+    modules with the loss, on one micro-batch of ``batch`` (the fastest of ``repeats`` runs).
+
+    One forward of the whole model records every module's inputs; each piece is then replayed on
+    its own with fresh leaf inputs, so its backward is timed without the rest of the graph.
+    """
+    inputs, target = batch
+    inputs, target = inputs[: inputs.size(0) // microbatches], target[: target.size(0) // microbatches]
+    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
+    handles = []
+    for name in [*spec.blocks, *spec.first, *spec.last]:
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            captured[name] = (args, kwargs, output)
+
+        handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            root(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_(True)
+        return x
+
+    def timed(names: Sequence[str], with_loss: bool = False) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            total: torch.Tensor | None = None
+            for name in names:
+                args, kwargs, _ = captured[name]
+                out = root.get_submodule(name)(*[leaf(a) for a in args], **kwargs)
+                if with_loss and name == names[-1]:
+                    out = spec.loss_fn(out, target) if spec.loss_fn is not None else out
+                piece = out.float().sum() if isinstance(out, torch.Tensor) else None
+                if piece is not None:
+                    total = piece if total is None else total + piece
+            if total is not None and total.requires_grad:
+                total.backward()
+            best = min(best, time.perf_counter() - start)
+        root.zero_grad(set_to_none=True)
+        return best
+
+    weights = [timed([b]) for b in spec.blocks]
+    return weights, timed(list(spec.first)) if spec.first else 0.0, timed(list(spec.last), with_loss=True) if spec.last else 0.0

@@ -73,7 +73,8 @@ class HybridParallelStrategy(ParallelStrategy):
             blocks through a ``pipeline_spec`` hook or the registry (the reference GPT is registered).
         schedule: ``"gpipe"`` or ``"1f1b"``.
         microbatches: micro-batches per step; must divide the per-replica batch (default ``2 * pipeline_parallel``).
-        partition: ``"by_layers"`` (equal block counts) or ``"by_params"`` (balanced parameter counts).
+        partition: ``"by_layers"`` (equal block counts), ``"by_params"`` (balanced parameter counts) or
+            ``"by_cost"`` (blocks timed forward+backward on a real batch at set-up; slowest stage minimised).
         sequence_parallel: shard norms and the residual stream on the sequence between layers
             (for plans that honour it, like the reference GPT's).
         loss_parallel: keep logits sharded on the vocabulary into the loss; training, validation
@@ -309,6 +310,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 microbatches=self.microbatches or 2 * self.layout.pp,
                 partition=self.partition,
                 device=self.root_device,
+                example_batch=self._example_batch() if self.partition == "by_cost" else None,
             )
         if self.layout.tp > 1:
             apply_tensor_parallel(module, self.device_mesh["tp"], self._tensor_parallel_plan(module))
@@ -325,6 +327,14 @@ class HybridParallelStrategy(ParallelStrategy):
         for child in module.children():
             if any(True for _ in child.parameters()):
                 replicate(child, mesh=dp_mesh)
+
+    def _example_batch(self) -> Any:
+        """One training batch from the datamodule (its setup hook has run), for timing blocks."""
+        trainer = self.lightning_module.trainer
+        if trainer.datamodule is None:
+            return None
+        batch = next(iter(trainer.datamodule.train_dataloader()))
+        return self.batch_to_device(batch)
 
     @override
     def model_to_device(self) -> None:
