@@ -272,7 +272,7 @@ class HybridParallelStrategy(ParallelStrategy):
         return plan
 
     def _parallelize(self, module: LightningModule) -> None:
-        """Applied in this order: tensor parallel, then data parallel over ``dp``.
+        """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel, data parallel.
 
         A module set up before (``trainer.validate`` then ``trainer.fit``) is parallelised once;
         only the DDP wrapper, which Lightning's own strategies also rebuild, is made again.
