@@ -66,7 +66,9 @@ def clip_grad_norm_(
     counted = params if norm_parameters is None else [p for p in norm_parameters if p.grad is not None]
     total = total_grad_norm(counted, norm_type, group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # DTensor grads take a Python scalar (a plain tensor would not mix with them): read it once.
+    coef_value = float(coef) if any(isinstance(p.grad, DTensor) for p in params) else None
     for p in params:
         assert p.grad is not None
-        p.grad.mul_(coef.to(p.grad.dtype).item() if isinstance(p.grad, DTensor) else coef.to(p.grad))
+        p.grad.mul_(coef_value if isinstance(p.grad, DTensor) else coef.to(p.grad))
     return total

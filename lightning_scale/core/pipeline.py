@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_scale.core.modules import outermost_registered
+
 __all__ = ["PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec"]
 
 
@@ -61,14 +63,7 @@ def find_registered_spec(root: nn.Module) -> tuple[str, PipelineSpec] | None:
 
     Raises ``ValueError`` when two registered modules sit side by side (which one to cut is ambiguous).
     """
-    found: list[tuple[str, PipelineSpec]] = []
-    for name, module in root.named_modules():
-        if any(p == "" or name == p or name.startswith(p + ".") for p, _ in found):
-            continue
-        for cls in type(module).__mro__:
-            if cls in _REGISTRY:
-                found.append((name, _REGISTRY[cls](module)))
-                break
+    found = [(name, spec_fn(module)) for name, module, spec_fn in outermost_registered(root, _REGISTRY)]
     if len(found) > 1:
         raise ValueError(
             f"{type(root).__name__} contains several pipelined architectures ({[n for n, _ in found]}); "

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import format_choices
+from lightning_scale.core.modules import outermost_registered, tied_parameter_groups
 
 __all__ = [
     "STYLE_NAMES",
@@ -45,7 +46,6 @@ __all__ = [
     "local_numel",
     "register_plan",
     "resolve_plan",
-    "tied_parameter_groups",
 ]
 
 STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
@@ -70,15 +70,7 @@ def register_plan(module_type: type[nn.Module], plan_fn: PlanFn) -> None:
 
 def find_registered_plans(root: nn.Module) -> dict[str, PlanFn]:
     """Module name (``""`` for ``root`` itself) -> plan function, for the outermost registered modules."""
-    found: dict[str, PlanFn] = {}
-    for name, module in root.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in found if p) or ("" in found):
-            continue
-        for cls in type(module).__mro__:
-            if cls in _REGISTRY:
-                found[name] = _REGISTRY[cls]
-                break
-    return found
+    return {name: plan_fn for name, _, plan_fn in outermost_registered(root, _REGISTRY)}
 
 
 def _style(key: str, style: Any) -> ParallelStyle:
@@ -137,14 +129,6 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, ParallelStyle | str]) -> 
                 "to it before. Apply a plan once, to a model built with plain tensors."
             )
     return resolved
-
-
-def tied_parameter_groups(module: nn.Module) -> list[list[str]]:
-    """Names of parameters shared by several modules, one list per shared parameter."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:

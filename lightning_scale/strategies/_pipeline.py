@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from lightning_scale.core.partition import Partition, balanced_partition, bubble_fraction, partition_by_layers
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
-from lightning_scale.core.tensor_parallel import tied_parameter_groups
+from lightning_scale.core.modules import tied_parameter_groups
 
 __all__ = [
     "PARTITIONS",
@@ -106,8 +106,6 @@ class PipelineRunner:
             here = [n for n in names if n in present]
             if here and len(here) == len(names):
                 continue  # the whole group stayed on this stage
-            holders = torch.tensor([1 if here else 0], device=device)
-            dist.all_reduce(holders, group=mesh.get_group())
             param = root.get_parameter(here[0]) if here else None
             # Count the parameter once in the gradient norm: on the first stage that holds it.
             first_holder = torch.tensor([self.pp_rank if here else self.pp_size], device=device)
