@@ -150,11 +150,15 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pipeline_strategy_from_the_command_line(tmp_path: Path) -> None:
     proc = _short_run(
-        tmp_path, "strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=8"
+        tmp_path, "strategy=pipeline", "strategy.schedule=1f1b", "strategy.microbatches=8"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "HybridParallelStrategy: dp=1 x pp=2 x tp=1 on 2 processes" in out
-    assert re.search(r"Pipeline: 2 stages by by_layers, blocks per stage \[2, 2\].*predicted bubble 11.1% \(gpipe, 8", out)
+    assert re.search(
+        r"Pipeline: 2 stages on 2 ranks \(1 per rank\), partition by_layers, blocks per stage \[2, 2\].*"
+        r"predicted bubble 11.1% \(1f1b, 8 micro-batches\)",
+        out,
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_val_loss"] < summary["initial_val_loss"]

@@ -12,6 +12,8 @@ from lightning_scale.core.partition import (
     balanced_partition,
     bubble_fraction,
     check_pipeline_shape,
+    check_schedule_microbatches,
+    stage_ranks,
     partition_by_layers,
 )
 
@@ -98,3 +100,23 @@ def test_pipeline_shape_accepts_valid_layouts() -> None:
     assert check_pipeline_shape(num_blocks=8, pipeline_parallel=2, schedule="interleaved_1f1b", virtual_stages=2, batch_size=8, microbatches=8) == 2
     assert check_pipeline_shape(num_blocks=4, pipeline_parallel=2, schedule="zbv", virtual_stages=1, batch_size=4, microbatches=2) == 2
     assert set(SCHEDULES) >= {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
+
+
+def test_stage_ranks_round_robin_and_v_shape() -> None:
+    assert stage_ranks("interleaved_1f1b", 2, 4) == [0, 1, 0, 1]
+    assert stage_ranks("zbv", 2, 4) == [0, 1, 1, 0]
+    assert stage_ranks("dualpipev", 4, 8) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert stage_ranks("1f1b", 4, 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "ok"),
+    [("1f1b", 4, 4, True), ("1f1b", 4, 3, False), ("gpipe", 4, 1, True), ("interleaved_1f1b", 4, 9, False), ("interleaved_1f1b", 4, 10, True),
+     ("interleaved_1f1b", 4, 12, True), ("interleaved_1f1b", 4, 3, True), ("dualpipev", 2, 3, False), ("dualpipev", 2, 4, True)],
+)  # fmt: skip
+def test_schedule_microbatch_rules(schedule: str, p: int, m: int, ok: bool) -> None:
+    if ok:
+        check_schedule_microbatches(schedule, p, m)
+    else:
+        with pytest.raises(ValueError, match=r"microbatches"):
+            check_schedule_microbatches(schedule, p, m)

@@ -78,3 +78,28 @@ def test_bad_specs_are_rejected(kwargs: dict, match: str) -> None:
 def test_a_spec_naming_missing_modules_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"names modules that do not exist: \['blocks.9'\]"):
         prune_to_stage(GPT(GPTConfig(n_layers=2)), PipelineSpec(blocks=["blocks.0", "blocks.9"]), [0], is_first=True, is_last=True)
+
+
+def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module() -> None:
+    """A rank of a V-shaped schedule at pp=2 over 4 stages holds stages 0 and 3: one module, two views."""
+    from lightning_scale.core.pipeline import stage_view
+
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(n_layers=4)).eval()
+    spec = gpt_pipeline_spec(full)
+    rank0 = prune_to_stage(copy.deepcopy(full), spec, [0, 3], is_first=True, is_last=True)
+    before = _names(rank0)
+    first = stage_view(rank0, spec, [0], is_first=True, is_last=False)
+    last = stage_view(rank0, spec, [3], is_first=False, is_last=True)
+    # The rank's module is untouched; the views hold only their part, under the original names.
+    assert _names(rank0) == before == {n for n in _names(full) if not n.startswith(("blocks.1.", "blocks.2."))}
+    assert {n.split(".")[0] for n in _names(first)} == {"tok_emb", "pos_emb", "blocks"}
+    assert {n for n in _names(first) if n.startswith("blocks.")} == {n for n in _names(full) if n.startswith("blocks.0.")}
+    assert "head.weight" in _names(last) and "tok_emb.weight" not in _names(last)
+    # Shared, not copied: the tied embedding/head is one parameter in the module and both views.
+    assert first.tok_emb.weight is last.head.weight is rank0.tok_emb.weight
+    assert first.blocks["0"] is rank0.blocks["0"]
+    # Chained with the model's middle blocks, the views compute the whole model.
+    middle = prune_to_stage(copy.deepcopy(full), spec, [1, 2], is_first=False, is_last=False)
+    tokens = torch.randint(0, 256, (2, 12))
+    torch.testing.assert_close(last(middle(first(tokens))), full(tokens), rtol=0, atol=0)

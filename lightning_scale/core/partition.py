@@ -23,7 +23,11 @@ __all__ = [
     "balanced_partition",
     "bubble_fraction",
     "check_pipeline_shape",
+    "check_schedule_microbatches",
+    "check_stage_blocks",
     "partition_by_layers",
+    "stage_ranks",
+    "stages_per_rank",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -31,6 +35,53 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zb
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zbv": 2, "dualpipev": 2}
 """Fixed stages per rank; interleaved schedules take ``virtual_stages`` (2 or more)."""
+
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules that place stages ``r`` and ``2p - 1 - r`` on rank ``r`` (the first and last stage share rank 0)."""
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each rank runs: 1 for GPipe/1F1B, 2 for the V-shaped ones, ``virtual_stages`` when interleaved."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
+    if schedule.startswith("interleaved") and virtual_stages < 2:
+        raise ValueError(
+            f"schedule={schedule!r} runs several stages per rank; set virtual_stages >= 2 (got {virtual_stages})."
+        )
+    return STAGES_PER_RANK.get(schedule, virtual_stages)
+
+
+def stage_ranks(schedule: str, pipeline_parallel: int, num_stages: int) -> list[int]:
+    """The pipeline rank of each stage: round robin (``s % p``), or V-shaped (``s`` then ``2p - 1 - s``)."""
+    p = pipeline_parallel
+    if schedule in V_SHAPED:
+        return [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+    return [s % p for s in range(num_stages)]
+
+
+def check_schedule_microbatches(schedule: str, pipeline_parallel: int, microbatches: int) -> None:
+    """The micro-batch counts torch's schedules accept, checked before any work with the fix named."""
+    p, m = pipeline_parallel, microbatches
+    if p == 1:
+        return
+    if schedule == "1f1b" and m < p:
+        raise ValueError(
+            f"schedule='1f1b' needs at least as many micro-batches as stages: microbatches={m} < "
+            f"pipeline_parallel={p}. Use microbatches >= {p}, or schedule='gpipe'."
+        )
+    if schedule.startswith("interleaved"):
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ValueError(
+                f"schedule={schedule!r} runs micro-batches in rounds of pipeline_parallel={p}: microbatches={m} must "
+                f"be below {p} or a multiple of the {rounds} rounds. Use microbatches {rounds * (m // rounds)} or "
+                f"{p * (m // p + 1)}."
+            )
+    if schedule == "dualpipev" and m < 2 * p:
+        raise ValueError(
+            f"schedule='dualpipev' needs at least as many micro-batches as stages (2 x pipeline_parallel = {2 * p}); "
+            f"got microbatches={m}. Use microbatches >= {2 * p}."
+        )
 
 
 @dataclass(frozen=True)
@@ -149,22 +200,9 @@ def bubble_fraction(schedule: str, pipeline_parallel: int, microbatches: int, vi
     return max(0, p - 1 - m) / (v * m + p - 1)
 
 
-def check_pipeline_shape(
-    *, num_blocks: int, pipeline_parallel: int, schedule: str, virtual_stages: int, batch_size: int, microbatches: int
-) -> int:
-    """Check a pipeline configuration before any work; returns the number of stages per rank.
-
-    Raises ``ValueError`` naming the rule and the fix for: an unknown schedule, more stages than
-    blocks, interleaved stages that do not divide the blocks evenly, and micro-batches that do not
-    divide the per-replica batch.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
-    per_rank = STAGES_PER_RANK.get(schedule, virtual_stages)
-    if schedule.startswith("interleaved") and virtual_stages < 2:
-        raise ValueError(
-            f"schedule={schedule!r} runs several stages per rank; set virtual_stages >= 2 (got {virtual_stages})."
-        )
+def check_stage_blocks(*, num_blocks: int, pipeline_parallel: int, schedule: str, virtual_stages: int) -> int:
+    """Check that ``num_blocks`` can be cut into the schedule's stages; returns the stages per rank."""
+    per_rank = stages_per_rank(schedule, virtual_stages)
     stages = pipeline_parallel * per_rank
     if num_blocks < stages:
         raise ValueError(
@@ -178,10 +216,26 @@ def check_pipeline_shape(
             f"blocks must divide into {stages} equal stages. Use a model with a multiple of {stages} blocks or "
             "another pipeline_parallel/virtual_stages."
         )
+    return per_rank
+
+
+def check_pipeline_shape(
+    *, num_blocks: int, pipeline_parallel: int, schedule: str, virtual_stages: int, batch_size: int, microbatches: int
+) -> int:
+    """Check a pipeline configuration before any work; returns the number of stages per rank.
+
+    Raises ``ValueError`` naming the rule and the fix for: an unknown schedule, more stages than
+    blocks, interleaved stages that do not divide the blocks evenly, and micro-batches that do not
+    divide the per-replica batch.
+    """
+    per_rank = check_stage_blocks(
+        num_blocks=num_blocks, pipeline_parallel=pipeline_parallel, schedule=schedule, virtual_stages=virtual_stages
+    )
     if microbatches < 1 or batch_size % microbatches:
         raise ValueError(
             f"microbatches={microbatches} does not divide the per-replica batch of {batch_size} samples; pipeline "
             f"schedules need equal micro-batches. Use microbatches in "
             f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}."
         )
+    check_schedule_microbatches(schedule, pipeline_parallel, microbatches)
     return per_rank

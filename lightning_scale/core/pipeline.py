@@ -9,6 +9,7 @@ the hidden state; a removed head means the output is the hidden state), as the r
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from lightning_scale.core.modules import outermost_registered
 
-__all__ = ["PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec"]
+__all__ = ["PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec", "stage_view"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,16 @@ def _remove(root: nn.Module, name: str) -> None:
         setattr(parent, attr, None)
 
 
+def _dropped(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_last: bool) -> list[str]:
+    keep_set = set(keep)
+    drop: list[str] = [name for i, name in enumerate(spec.blocks) if i not in keep_set]
+    if not is_first:
+        drop += list(spec.first)
+    if not is_last:
+        drop += list(spec.last)
+    return drop
+
+
 def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool) -> nn.Module:
     """Remove, in place, every block not in ``keep`` (indices into ``spec.blocks``), and the ``first``
     modules unless ``is_first`` and the ``last`` modules unless ``is_last``. Returns ``root``."""
@@ -93,12 +104,38 @@ def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, 
     missing = [n for n in [*spec.blocks, *spec.first, *spec.last] if n not in names]
     if missing:
         raise ValueError(f"The pipeline spec names modules that do not exist: {missing[:5]}")
-    keep_set = set(keep)
-    drop: list[str] = [name for i, name in enumerate(spec.blocks) if i not in keep_set]
-    if not is_first:
-        drop += list(spec.first)
-    if not is_last:
-        drop += list(spec.last)
-    for name in drop:
+    for name in _dropped(spec, keep, is_first, is_last):
         _remove(root, name)
     return root
+
+
+def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool) -> nn.Module:
+    """A module that runs only blocks ``keep`` (and ``first``/``last`` as flagged), sharing every
+    parameter, buffer, submodule and hook with ``root``, which is left unchanged.
+
+    For a rank that runs several pipeline stages (interleaved and V-shaped schedules): ``root`` holds
+    all of the rank's blocks (so its state dict, optimizer and checkpoints see them under their
+    original names) and each stage runs through its own view. Only the modules on the path from
+    ``root`` to a removed module are copied (shallowly, with their own table of children).
+    """
+    present = {n for n, _ in root.named_modules()}
+    drop = [n for n in _dropped(spec, keep, is_first, is_last) if n in present]
+    copies: dict[str, nn.Module] = {}
+
+    def copied(path: str) -> nn.Module:
+        if path not in copies:
+            original = root.get_submodule(path) if path else root
+            clone = copy.copy(original)
+            clone._modules = copy.copy(original._modules)  # children table of its own; children shared
+            if path:
+                parent_path, _, attr = path.rpartition(".")
+                copied(parent_path)._modules[attr] = clone
+            copies[path] = clone
+        return copies[path]
+
+    for name in drop:
+        parent_path, _, _ = name.rpartition(".")
+        parent = copied(parent_path)
+        # Only the copied parent's table changes; `root` keeps the module.
+        _remove(parent, name.rpartition(".")[2])
+    return copied("")

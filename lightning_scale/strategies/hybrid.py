@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,13 +25,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from typing_extensions import override
@@ -39,9 +32,15 @@ from typing_extensions import override
 from lightning_scale.core.checks import format_choices
 from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.layout import MESH_DIMS, Layout, check_size, resolve_layout
-from lightning_scale.core.partition import SCHEDULES
-from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans
-from lightning_scale.strategies._pipeline import PARTITIONS, RUNNABLE_SCHEDULES, PipelineRunner
+from lightning_scale.core.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
+from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
+from lightning_scale.strategies._checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from lightning_scale.strategies._pipeline import PARTITIONS, PipelineRunner
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
@@ -71,8 +70,12 @@ class HybridParallelStrategy(ParallelStrategy):
         pipeline_parallel: pipeline stages, one per rank (``"auto"``: what data and tensor
             parallelism leave). Built with ``torch.distributed.pipelining``; the model declares its
             blocks through a ``pipeline_spec`` hook or the registry (the reference GPT is registered).
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
+            (``virtual_stages`` stages per rank, round robin), ``"zbv"`` and ``"dualpipev"`` (two stages
+            per rank in a V: rank ``r`` runs stages ``r`` and ``2p - 1 - r``); torch's schedules.
         microbatches: micro-batches per step; must divide the per-replica batch (default ``2 * pipeline_parallel``).
+        virtual_stages: stages per rank for the interleaved schedules (the blocks must divide into
+            ``pipeline_parallel * virtual_stages`` equal stages).
         partition: ``"by_layers"`` (equal block counts), ``"by_params"`` (balanced parameter counts) or
             ``"by_cost"`` (blocks timed forward+backward on a real batch at set-up; slowest stage minimised).
         sequence_parallel: shard norms and the residual stream on the sequence between layers
@@ -91,6 +94,7 @@ class HybridParallelStrategy(ParallelStrategy):
         *,
         schedule: str = "1f1b",
         microbatches: int | None = None,
+        virtual_stages: int = 2,
         partition: str = "by_layers",
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
@@ -117,21 +121,22 @@ class HybridParallelStrategy(ParallelStrategy):
             check_size(name, value)
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
-        if pipeline_parallel != 1 and schedule not in RUNNABLE_SCHEDULES:
-            raise ValueError(
-                f"schedule={schedule!r} runs several stages per rank, which this version does not support yet; "
-                f"use one of {format_choices(RUNNABLE_SCHEDULES)}."
-            )
+        if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer (stages per rank when interleaved).")
+        stages_per_rank(schedule, virtual_stages)  # interleaved schedules need virtual_stages >= 2
         if partition not in PARTITIONS:
             raise ValueError(f"partition={partition!r} is not one of {format_choices(PARTITIONS)}.")
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer (or None for 2 x pipeline_parallel)")
+        if isinstance(pipeline_parallel, int) and microbatches is not None:
+            check_schedule_microbatches(schedule, pipeline_parallel, microbatches)
         self._sizes = {
             "data_parallel": data_parallel,
             "tensor_parallel": tensor_parallel,
             "pipeline_parallel": pipeline_parallel,
         }
         self.schedule, self.microbatches, self.partition = schedule, microbatches, partition
+        self.virtual_stages = virtual_stages
         self._pipeline: PipelineRunner | None = None
         self._pipeline_batch: Any = None
         self.sequence_parallel = bool(sequence_parallel)
@@ -297,21 +302,30 @@ class HybridParallelStrategy(ParallelStrategy):
             return
         setattr(module, _PARALLELIZED, self.layout)
         if self.layout.pp > 1:
-            # Pipeline first: each rank keeps its stage, then the other axes apply to that stage.
-            if self.layout.tp > 1 or self.layout.dp > 1:
+            # Pipeline first: each rank keeps its stages, then the other axes apply to what it kept.
+            if self.layout.dp > 1:
                 raise ValueError(
-                    f"{self.layout}: pipeline parallelism combined with data or tensor parallelism is not available "
-                    "in this version; use pipeline_parallel with data_parallel=1 and tensor_parallel=1."
+                    f"{self.layout}: pipeline parallelism combined with data parallelism is not available in this "
+                    "version; use data_parallel=1 with pipeline_parallel (tensor_parallel may be > 1)."
                 )
+            # The plan is checked against the whole model (every key must match a module), then
+            # applied to the modules this rank kept.
+            plan = resolve_plan(module, self._tensor_parallel_plan(module)) if self.layout.tp > 1 else {}
             self._pipeline = PipelineRunner(
                 module,
-                self.device_mesh["pp"],
+                self.device_mesh,
                 schedule=self.schedule,
                 microbatches=self.microbatches or 2 * self.layout.pp,
+                virtual_stages=self.virtual_stages,
                 partition=self.partition,
                 device=self.root_device,
                 example_batch=self._example_batch() if self.partition == "by_cost" else None,
             )
+            if plan:
+                kept = {n for n, _ in module.named_modules()}
+                apply_tensor_parallel(module, self.device_mesh["tp"], {n: s for n, s in plan.items() if n in kept})
+            self._pipeline.build()
+            return
         if self.layout.tp > 1:
             apply_tensor_parallel(module, self.device_mesh["tp"], self._tensor_parallel_plan(module))
         if self.layout.dp == 1 or self.layout.tp == 1:
@@ -375,12 +389,14 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            raise NotImplementedError("predict with pipeline_parallel > 1 is not available in this version.")
+            # The model's output for the batch's inputs (its predict_step would need the whole model).
+            return self._pipeline.predict_step(args[0])
         return super().predict_step(*args, **kwargs)
 
     def _pipeline_eval(self, batch: Any, name: str) -> Tensor:
         assert self._pipeline is not None
-        loss = self._pipeline.eval_step(batch)
+        with self._loss_context():
+            loss = self._pipeline.eval_step(batch)
         self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -388,7 +404,10 @@ class HybridParallelStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:
             assert self.lightning_module is not None
-            loss = self._pipeline.train_step(self._pipeline_batch, self.lightning_module.trainer.accumulate_grad_batches)
+            with self._loss_context():
+                loss = self._pipeline.train_step(
+                    self._pipeline_batch, self.lightning_module.trainer.accumulate_grad_batches
+                )
             self._pipeline_batch = None
             # Every rank logs the last stage's loss (the pipeline broadcast it).
             self.lightning_module.log("train/loss", loss, prog_bar=True, sync_dist=True)
@@ -425,61 +444,29 @@ class HybridParallelStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    # Full (gathered) tensors under the original names, so a checkpoint loads at any layout.
 
-    _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    _FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
-
-    def _gather_stages(self, local: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every pipeline stage's piece (each stage holds disjoint parameters), on every rank."""
-        parts: list[Any] = [None] * self.layout.pp
-        torch.distributed.all_gather_object(parts, local, group=self.device_mesh["pp"].get_group())
-        return parts
+    def _pp_group(self) -> Any:
+        return self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Full (gathered) tensors under the original names: a checkpoint loads at any layout.
         assert self.model is not None
-        if self.layout.pp == 1:
-            return get_model_state_dict(self.lightning_module, options=self._FULL)
-        local = get_model_state_dict(self.lightning_module, options=self._FULL_EVERYWHERE)
-        return {k: v for part in self._gather_stages({k: v.cpu() for k, v in local.items()}) for k, v in part.items()}
+        return full_model_state(self.lightning_module, self._pp_group())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        if self.layout.pp > 1:
-            # A pipeline stage holds only its own blocks; the checkpoint holds every stage's.
-            state = {k: v for k, v in state.items() if k in self.lightning_module.state_dict()}
-        set_model_state_dict(self.lightning_module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict, partial=self.layout.pp > 1)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self.layout.pp == 1:
-            return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL)
-        local = get_optimizer_state_dict(self.lightning_module, optimizer, options=self._FULL_EVERYWHERE)
-        parts = self._gather_stages(_to_cpu(local))
-        merged = {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": []}
-        for groups in zip(*(part["param_groups"] for part in parts), strict=True):
-            merged["param_groups"].append({**groups[0], "params": [n for g in groups for n in g["params"]]})
-        return merged
+        return full_optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), self._pp_group())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        local_names = set(self.lightning_module.state_dict())
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            if self.layout.pp > 1:
-                state = {
-                    "state": {k: v for k, v in state["state"].items() if k in local_names},
-                    "param_groups": [
-                        {**g, "params": [n for n in g["params"] if n in local_names]} for g in state["param_groups"]
-                    ],
-                }
-            set_optimizer_state_dict(
-                self.lightning_module,
-                getattr(optimizer, "_optimizer", optimizer),
-                state,
-                options=StateDictOptions(full_state_dict=True),
+            load_full_optimizer_state(
+                self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state, partial=self.layout.pp > 1
             )
 
     @override
@@ -507,12 +494,3 @@ class HybridParallelStrategy(ParallelStrategy):
             tensor_parallel="auto",
         )
 
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
