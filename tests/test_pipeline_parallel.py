@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.distributed import run_distributed
 from helpers.lightning import quiet_trainer
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from helpers.parity import RecordLoss, assert_parity, fit_gpt
+from lightning.pytorch import LightningModule, seed_everything
 
 import lightning_scale  # noqa: F401
 from lightning_scale.core.partition import SCHEDULES
@@ -22,43 +22,10 @@ STEPS = 20
 CONFIG = GPTConfig(n_layers=4, d_model=64, n_heads=4, block_size=32, tie_embeddings=False)
 
 
-class _Record(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-
 def _fit(
     strategy: Any, devices: int, accumulate: int = 1, config: GPTConfig = CONFIG, precision: str = "64-true"
 ) -> dict[str, Any]:
-    seed_everything(0, verbose=False)
-    record = _Record()
-    trainer = quiet_trainer(
-        devices=devices,
-        strategy=strategy,
-        precision=precision,
-        max_steps=STEPS,
-        gradient_clip_val=0.5,
-        accumulate_grad_batches=accumulate,
-        callbacks=[record],
-        limit_val_batches=4,
-        val_check_interval=None,
-        check_val_every_n_epoch=None,
-    )
-    module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=3)
-    datamodule = TextDataModule(seq_len=32, global_batch_size=8)
-    trainer.fit(module, datamodule=datamodule)
-    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
-    if devices > 1:
-        local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
-        torch.distributed.all_gather_object(parts, local)
-        state = {k: v for part in parts for k, v in part.items()}
-    else:
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"losses": record.losses, "val": val, "state": state}
+    return fit_gpt(strategy, devices, config, steps=STEPS, accumulate=accumulate, precision=precision)
 
 
 def _pipeline(rank: int, world: int, schedule: str, accumulate: int, config: GPTConfig = CONFIG) -> dict[str, Any]:
@@ -71,14 +38,7 @@ def single() -> dict[str, Any]:
     return _fit("auto", 1)
 
 
-def _assert_parity(results: list[dict[str, Any]], reference: dict[str, Any]) -> None:
-    for result in results:
-        # Every rank logs the last stage's loss.
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
-        assert result["val"] == pytest.approx(reference["val"], rel=1e-5)
-        assert result["state"].keys() == reference["state"].keys()
-        for name, value in reference["state"].items():
-            torch.testing.assert_close(result["state"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+_assert_parity = assert_parity
 
 
 @pytest.mark.slow
@@ -321,7 +281,7 @@ class _MLPModule(LightningModule):
 
 def _fit_mlp(strategy: Any, devices: int) -> dict[str, Any]:
     seed_everything(0, verbose=False)
-    record = _Record()
+    record = RecordLoss()
     trainer = quiet_trainer(
         devices=devices, strategy=strategy, precision="64-true", max_steps=STEPS, gradient_clip_val=0.5, callbacks=[record]
     )

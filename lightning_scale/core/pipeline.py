@@ -116,7 +116,8 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
     For a rank that runs several pipeline stages (interleaved and V-shaped schedules): ``root`` holds
     all of the rank's blocks (so its state dict, optimizer and checkpoints see them under their
     original names) and each stage runs through its own view. Only the modules on the path from
-    ``root`` to a removed module are copied (shallowly, with their own table of children).
+    ``root`` to a removed module are copied (shallowly, with their own tables of children and
+    hooks); hooks registered on ``root`` before the views are made apply to them too.
     """
     present = {n for n, _ in root.named_modules()}
     drop = [n for n in _dropped(spec, keep, is_first, is_last) if n in present]
@@ -126,7 +127,11 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
         if path not in copies:
             original = root.get_submodule(path) if path else root
             clone = copy.copy(original)
-            clone._modules = copy.copy(original._modules)  # children table of its own; children shared
+            # Its own table of children and of hooks (data parallelism hooks each view separately);
+            # children, parameters and buffers stay shared.
+            for attr, value in vars(original).items():
+                if isinstance(value, dict) and attr not in ("_parameters", "_buffers"):
+                    clone.__dict__[attr] = copy.copy(value)
             if path:
                 parent_path, _, attr = path.rpartition(".")
                 copied(parent_path)._modules[attr] = clone

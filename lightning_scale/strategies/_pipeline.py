@@ -46,6 +46,7 @@ from lightning_scale.core.partition import (
     stage_ranks,
 )
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage, stage_view
+from lightning_scale.strategies._options import PARTITIONS
 
 __all__ = [
     "PARTITIONS",
@@ -66,7 +67,6 @@ _MULTI = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-PARTITIONS = ("by_layers", "by_params", "by_cost")
 
 
 def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
@@ -146,18 +146,34 @@ class PipelineRunner:
         self._scale = 1.0
         self._predicting = False
         self._root, self._spec = root, spec
+        self._modules: list[nn.Module] | None = None
         self.schedule: Any = None  # built by `build()`, once the other parallelisms are applied
 
+    @property
+    def root(self) -> nn.Module:
+        """The module that holds all of this rank's blocks (pruned in place)."""
+        return self._root
+
+    def block_modules(self) -> list[nn.Module]:
+        """This rank's blocks, in order."""
+        return [self._root.get_submodule(self._spec.blocks[b]) for s in self.local_stages for b in self.partition.blocks(s)]
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The module each local stage runs: the pruned root itself, or one view per stage."""
+        if self._modules is None:
+            root, spec = self._root, self._spec
+            if len(self.local_stages) == 1:
+                self._modules = [root]
+            else:
+                self._modules = [
+                    stage_view(root, spec, self.partition.blocks(s), is_first=s == 0, is_last=s == self.num_stages - 1)
+                    for s in self.local_stages
+                ]
+        return self._modules
+
     def build(self) -> None:
-        """Create the stages and the schedule; call after tensor parallelism changed the modules."""
-        root, spec = self._root, self._spec
-        if len(self.local_stages) == 1:
-            modules = [root]
-        else:
-            modules = [
-                stage_view(root, spec, self.partition.blocks(s), is_first=s == 0, is_last=s == self.num_stages - 1)
-                for s in self.local_stages
-            ]
+        """Create the stages and the schedule; call once the other parallelisms are applied."""
+        modules = self.stage_modules()
         if self.schedule_name in _SINGLE:
             self.schedule = _SINGLE[self.schedule_name](
                 self._stages(modules)[0], self.microbatches, loss_fn=self._scaled_loss, scale_grads=False
@@ -192,13 +208,14 @@ class PipelineRunner:
 
     def _split_tie_groups(
         self, root: nn.Module, tied: list[tuple[list[str], tuple[int, ...]]]
-    ) -> list[tuple[nn.Parameter, ProcessGroup | None, bool]]:
+    ) -> list[tuple[str, ProcessGroup | None, bool]]:
         """Parameters shared by modules on different ranks (a tied embedding and output head) now have a
         copy on each of those ranks. Their gradients are summed over just the ranks holding a copy
         after every backward, so every copy gets the single-process gradient and they stay equal.
 
-        Returns ``(parameter, group, counted)`` for this rank's copies; ``counted`` marks the one copy
-        (on the lowest pipeline rank) that enters the global gradient norm.
+        Returns ``(parameter name, group, counted)`` for this rank's copies; ``counted`` marks the one
+        copy (on the lowest pipeline rank) that enters the global gradient norm. Names, not parameter
+        objects: tensor and data parallelism replace the parameters after this runs.
         """
         present = {n for n, _ in root.named_parameters(remove_duplicate=False)}
         # Which pipeline ranks hold each tied group: the same answer on every rank of the mesh.
@@ -225,7 +242,7 @@ class PipelineRunner:
                 groups[holders] = mine
             here = [n for n in names if n in present]
             if here:
-                result.append((root.get_parameter(here[0]), groups[holders], self.pp_rank == holders[0]))
+                result.append((here[0], groups[holders], self.pp_rank == holders[0]))
         return result
 
     def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str, example_batch: Any) -> Partition:
@@ -296,7 +313,8 @@ class PipelineRunner:
 
     def train_step(self, batch: Any, accumulate_grad_batches: int) -> torch.Tensor:
         loss = self._run(batch, 1.0 / (self.microbatches * accumulate_grad_batches), train=True)
-        for param, group, _ in self._split_ties:
+        for name, group, _ in self._split_ties:
+            param = self._root.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(_local(param.grad), group=group)
@@ -304,7 +322,7 @@ class PipelineRunner:
 
     def excluded_from_norm(self) -> set[int]:
         """ids of tied copies that another stage already counts in the global gradient norm."""
-        return {id(p) for p, _, counted in self._split_ties if not counted}
+        return {id(self._root.get_parameter(n)) for n, _, counted in self._split_ties if not counted}
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         return self._run(batch, 1.0, train=False)

@@ -29,18 +29,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from typing_extensions import override
 
-from lightning_scale.core.checks import format_choices
+from lightning_scale.core.data_parallel import check_not_wrapped, register_compression
 from lightning_scale.core.grad_norm import clip_grad_norm_
-from lightning_scale.core.layout import MESH_DIMS, Layout, check_size, resolve_layout
-from lightning_scale.core.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
-from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
+from lightning_scale.core.layout import MESH_DIMS, Layout, resolve_layout
+from lightning_scale.core.tensor_parallel import find_registered_plans
 from lightning_scale.strategies._checkpoint import (
     full_model_state,
     full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_scale.strategies._pipeline import PARTITIONS, PipelineRunner
+from lightning_scale.strategies._options import ParallelOptions
+from lightning_scale.strategies._parallelize import parallelize
+from lightning_scale.strategies._pipeline import PipelineRunner
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
@@ -57,19 +58,25 @@ TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
 class HybridParallelStrategy(ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
-    One ``DeviceMesh`` of shape ``(dp, pp, tp)`` with dimension names ``("dp", "pp", "tp")``;
-    ``tp`` innermost. Tensor parallelism is torch's DTensor ``parallelize_module`` with a plan from
-    the LightningModule's ``tensor_parallel_plan`` hook or from the registry of known
-    architectures (``lightning_scale.core.tensor_parallel.register_plan``; the reference GPT is
-    registered). Data parallelism replicates the (sharded) model over the ``dp`` sub-mesh and
-    averages gradients there; the sampler Lightning injects splits data over ``dp`` only.
+    One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (for ``hsdp``
+    the ``dp`` dimension is ``("dp_replicate", "dp_shard")``, flattened into ``dp`` for the
+    sampler). Applied in this order: pipeline stage, tensor parallel, activation checkpointing,
+    ``torch.compile``, data parallel. Tensor parallelism is torch's DTensor ``parallelize_module``
+    with a plan from the LightningModule's ``tensor_parallel_plan`` hook or from the registry of
+    known architectures (``lightning_scale.core.tensor_parallel.register_plan``; the reference GPT
+    is registered). The sampler Lightning injects splits data over ``dp`` only.
 
     Args:
         data_parallel: replicas of the model; ``"auto"`` fills the world.
         tensor_parallel: ranks each layer is split over; ``"auto"``: the processes of one node.
-        pipeline_parallel: pipeline stages, one per rank (``"auto"``: what data and tensor
-            parallelism leave). Built with ``torch.distributed.pipelining``; the model declares its
-            blocks through a ``pipeline_spec`` hook or the registry (the reference GPT is registered).
+        pipeline_parallel: pipeline stages (``"auto"``: what data and tensor parallelism leave).
+            Built with ``torch.distributed.pipelining``; the model declares its blocks through a
+            ``pipeline_spec`` hook or the registry (the reference GPT is registered).
+        data_parallel_mode: ``"ddp"`` (replicas; plain DDP when nothing else cuts the model, else
+            FSDP2 ``replicate``), ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and optimizer
+            state sharded, ZeRO-3-like), ``"fsdp_grad_op"`` (parameters kept gathered from forward to
+            backward, ZeRO-2-like), ``"hsdp"`` (replicated over ``hsdp_replicate`` x sharded over
+            ``hsdp_shard``; ``"auto"``: replicate across nodes, shard within one).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
             (``virtual_stages`` stages per rank, round robin), ``"zbv"`` and ``"dualpipev"`` (two stages
             per rank in a V: rank ``r`` runs stages ``r`` and ``2p - 1 - r``); torch's schedules.
@@ -82,6 +89,12 @@ class HybridParallelStrategy(ParallelStrategy):
             (for plans that honour it, like the reference GPT's).
         loss_parallel: keep logits sharded on the vocabulary into the loss; training, validation
             and test steps and the backward run under ``torch.distributed.tensor.parallel.loss_parallel``.
+        activation_checkpointing: ``"none"``, ``"full"`` (every block recomputes its activations in
+            backward) or ``"selective"`` (every ``activation_checkpointing_every``-th block).
+        compile: ``torch.compile`` each block.
+        gradient_compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"`` (rank
+            ``powersgd_rank``, after ``powersgd_start_iter`` uncompressed steps): DDP communication
+            hooks, for ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism.
     """
 
     strategy_name = "hybrid"
@@ -92,12 +105,21 @@ class HybridParallelStrategy(ParallelStrategy):
         tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int | Literal["auto"] = 1,
         *,
+        data_parallel_mode: str = "ddp",
+        hsdp_replicate: int | Literal["auto"] = "auto",
+        hsdp_shard: int | Literal["auto"] = "auto",
         schedule: str = "1f1b",
         microbatches: int | None = None,
         virtual_stages: int = 2,
         partition: str = "by_layers",
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 2,
+        compile: bool = False,
+        gradient_compression: str = "none",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 10,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -113,39 +135,42 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        for name, value in (
-            ("data_parallel", data_parallel),
-            ("tensor_parallel", tensor_parallel),
-            ("pipeline_parallel", pipeline_parallel),
-        ):
-            check_size(name, value)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown pipeline schedule {schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
-        if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer (stages per rank when interleaved).")
-        stages_per_rank(schedule, virtual_stages)  # interleaved schedules need virtual_stages >= 2
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition={partition!r} is not one of {format_choices(PARTITIONS)}.")
-        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-            raise ValueError(f"microbatches={microbatches!r} must be a positive integer (or None for 2 x pipeline_parallel)")
-        if isinstance(pipeline_parallel, int) and microbatches is not None:
-            check_schedule_microbatches(schedule, pipeline_parallel, microbatches)
-        self._sizes = {
-            "data_parallel": data_parallel,
-            "tensor_parallel": tensor_parallel,
-            "pipeline_parallel": pipeline_parallel,
-        }
-        self.schedule, self.microbatches, self.partition = schedule, microbatches, partition
-        self.virtual_stages = virtual_stages
+        self.options = ParallelOptions(
+            data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            data_parallel_mode=data_parallel_mode,
+            hsdp_replicate=hsdp_replicate,
+            hsdp_shard=hsdp_shard,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            partition=partition,
+            sequence_parallel=bool(sequence_parallel),
+            loss_parallel=bool(loss_parallel),
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every,
+            compile=bool(compile),
+            gradient_compression=gradient_compression,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+        )
         self._pipeline: PipelineRunner | None = None
         self._pipeline_batch: Any = None
-        self.sequence_parallel = bool(sequence_parallel)
-        self.loss_parallel = bool(loss_parallel)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
-        self.num_nodes = 1
+        self._num_nodes = 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # Lightning's accelerator connector sets this from Trainer(num_nodes=...).
+        self._num_nodes = num_nodes
 
     # ------------------------------------------------------------------ what Lightning asks
 
@@ -205,13 +230,32 @@ class HybridParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._setup_distributed()
-        layout = resolve_layout(self.world_size, devices_per_node=self.num_processes, **self._sizes)
+        o = self.options
+        layout = resolve_layout(
+            self.world_size,
+            devices_per_node=self.num_processes,
+            data_parallel=o.data_parallel,
+            tensor_parallel=o.tensor_parallel,
+            pipeline_parallel=o.pipeline_parallel,
+        )
+        o.check_layout(layout)
         if self._device_mesh is None or layout != self._layout:
             # Once per layout: `trainer.validate` then `trainer.fit` reuse the mesh (and its groups)
             # that the module's DTensors already live on.
             self._layout = layout
-            self._device_mesh = init_device_mesh(self.root_device.type, layout.shape, mesh_dim_names=MESH_DIMS)
-            rank_zero_info(f"HybridParallelStrategy: {layout} on {self.world_size} processes")
+            device_type = self.root_device.type
+            if o.data_parallel_mode == "hsdp":
+                # dp split into (replicate, shard) for HSDP, and flattened back into "dp" for the sampler.
+                replicate, shard = o.hsdp_split(layout.dp, self.num_nodes)
+                names = ("dp_replicate", "dp_shard", *MESH_DIMS[1:])
+                mesh = init_device_mesh(device_type, (replicate, shard, layout.pp, layout.tp), mesh_dim_names=names)
+                mesh["dp_replicate", "dp_shard"]._flatten("dp")
+                detail = f" (hsdp: replicate {replicate} x shard {shard})"
+            else:
+                mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+                detail = f" ({o.data_parallel_mode})" if layout.dp > 1 else ""
+            self._device_mesh = mesh
+            rank_zero_info(f"HybridParallelStrategy: {layout}{detail} on {self.world_size} processes")
         assert self.lightning_module is not None
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
         self.lightning_module._device_mesh = self._device_mesh
@@ -259,7 +303,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
         tp = self.layout.tp
-        kwargs = {"sequence_parallel": self.sequence_parallel, "loss_parallel": self.loss_parallel}
+        kwargs = {"sequence_parallel": self.options.sequence_parallel, "loss_parallel": self.options.loss_parallel}
         hook = getattr(module, TENSOR_PARALLEL_PLAN_HOOK, None)
         if callable(hook):
             return dict(hook(tp, **kwargs))
@@ -277,70 +321,42 @@ class HybridParallelStrategy(ParallelStrategy):
         return plan
 
     def _parallelize(self, module: LightningModule) -> None:
-        """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel, data parallel.
+        """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
+        activation checkpointing, ``torch.compile``, data parallel.
 
         A module set up before (``trainer.validate`` then ``trainer.fit``) is parallelised once;
         only the DDP wrapper, which Lightning's own strategies also rebuild, is made again.
         """
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        wrapped = [n for n, m in module.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
-        if wrapped:
-            raise ValueError(f"Modules {wrapped[:3]} are already wrapped in DistributedDataParallel; pass the bare model.")
         done = getattr(module, _PARALLELIZED, None)
         if done is not None and done != self.layout:
             raise ValueError(
                 f"{type(module).__name__} was parallelised for {done} and cannot be set up again for {self.layout}; "
                 "build a new module (or load its checkpoint) for another layout."
             )
-        dp_mesh = self.device_mesh["dp"]
-        if self.layout.dp > 1 and self.layout.tp == 1:
-            # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the
-            # base strategy redirects training_step through the wrapper so its hooks run.
-            self.model = nn.parallel.DistributedDataParallel(module, device_mesh=dp_mesh)
-        if done is not None:
-            return
-        setattr(module, _PARALLELIZED, self.layout)
-        if self.layout.pp > 1:
-            # Pipeline first: each rank keeps its stages, then the other axes apply to what it kept.
-            if self.layout.dp > 1:
-                raise ValueError(
-                    f"{self.layout}: pipeline parallelism combined with data parallelism is not available in this "
-                    "version; use data_parallel=1 with pipeline_parallel (tensor_parallel may be > 1)."
-                )
-            # The plan is checked against the whole model (every key must match a module), then
-            # applied to the modules this rank kept.
-            plan = resolve_plan(module, self._tensor_parallel_plan(module)) if self.layout.tp > 1 else {}
-            self._pipeline = PipelineRunner(
+        if done is None:
+            check_not_wrapped(module)
+            setattr(module, _PARALLELIZED, self.layout)
+            self._pipeline = parallelize(
                 module,
+                self.options,
+                self.layout,
                 self.device_mesh,
-                schedule=self.schedule,
-                microbatches=self.microbatches or 2 * self.layout.pp,
-                virtual_stages=self.virtual_stages,
-                partition=self.partition,
                 device=self.root_device,
-                example_batch=self._example_batch() if self.partition == "by_cost" else None,
+                tensor_parallel_plan=self._tensor_parallel_plan,
+                example_batch=self._example_batch,
             )
-            if plan:
-                kept = {n for n, _ in module.named_modules()}
-                apply_tensor_parallel(module, self.device_mesh["tp"], {n: s for n, s in plan.items() if n in kept})
-            self._pipeline.build()
-            return
-        if self.layout.tp > 1:
-            apply_tensor_parallel(module, self.device_mesh["tp"], self._tensor_parallel_plan(module))
-        if self.layout.dp == 1 or self.layout.tp == 1:
-            return
-        # With DTensor parameters DDP would localise them (losing mesh-aware gradient clipping and
-        # state dicts); FSDP2's replicate keeps them. It hooks a module's forward, so it goes on the
-        # children the training step actually calls, not on the LightningModule.
-        if any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(
-                f"{type(module).__name__} holds parameters directly; put them in a submodule to combine "
-                "tensor and data parallelism."
+        if self.layout.dp > 1 and self.layout.tp == 1 and self.layout.pp == 1 and self.options.data_parallel_mode == "ddp":
+            # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the base
+            # strategy redirects training_step through the wrapper so its hooks run.
+            ddp = nn.parallel.DistributedDataParallel(module, device_mesh=self.device_mesh["dp"])
+            register_compression(
+                ddp,
+                self.options.gradient_compression,
+                self.device_mesh["dp"].get_group(),
+                powersgd_rank=self.options.powersgd_rank,
+                powersgd_start_iter=self.options.powersgd_start_iter,
             )
-        for child in module.children():
-            if any(True for _ in child.parameters()):
-                replicate(child, mesh=dp_mesh)
+            self.model = ddp
 
     def _example_batch(self) -> Any:
         """One training batch from the datamodule (its setup hook has run), for timing blocks."""
@@ -358,7 +374,7 @@ class HybridParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ steps
 
     def _loss_context(self) -> contextlib.AbstractContextManager[None]:
-        if self.loss_parallel and self.layout.tp > 1:
+        if self.options.loss_parallel and self.layout.tp > 1:
             return loss_parallel()
         return contextlib.nullcontext()
 

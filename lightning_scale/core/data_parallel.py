@@ -1,0 +1,194 @@
+"""Data parallelism over a model that tensor and pipeline parallelism may already have cut, and
+the per-block transforms applied before it (activation checkpointing, ``torch.compile``).
+
+Modes (``DATA_PARALLEL_MODES``), all torch's own:
+
+- ``ddp``: every replica holds the whole (stage of the) model and gradients are averaged. Plain
+  ``DistributedDataParallel`` when nothing else cuts the model (it takes communication hooks:
+  gradient compression); FSDP2's ``replicate`` otherwise, which keeps DTensor parameters and
+  knows pipeline schedules.
+- ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded over the
+  replicas, parameters gathered per block for forward and again for backward (ZeRO-3).
+- ``fsdp_grad_op``: the same, but gathered parameters are kept from forward to backward (ZeRO-2's
+  communication at ZeRO-3's memory between steps).
+- ``hsdp``: ``fully_shard`` on a 2-D mesh: replicated across the first dimension (nodes), sharded
+  across the second.
+
+Units are the model's blocks (each its own all-gather / reduce-scatter group, so memory peaks at
+one block's full parameters), then the modules that run them (embeddings, norm and head go with
+those). With pipeline parallelism every micro-batch of a step reuses the gathered parameters:
+``reshard_after_forward=False``, and the schedule syncs gradients on the last micro-batch only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from lightning_scale.core.checks import format_choices
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "COMPRESSIONS",
+    "DATA_PARALLEL_MODES",
+    "apply_activation_checkpointing",
+    "apply_data_parallel",
+    "bf16_compress_hook",
+    "check_not_wrapped",
+    "compile_blocks",
+    "register_compression",
+]
+
+DATA_PARALLEL_MODES = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def check_not_wrapped(module: nn.Module) -> None:
+    """Raise ``ValueError`` if any submodule is already wrapped for data parallelism or sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    kinds = (
+        (nn.parallel.DistributedDataParallel, "DistributedDataParallel"),
+        (FSDP1, "FullyShardedDataParallel (FSDP1)"),
+        (FSDPModule, "fully_shard/replicate (FSDP2)"),
+    )
+    for cls, label in kinds:
+        wrapped = [n or type(module).__name__ for n, m in module.named_modules() if isinstance(m, cls)]
+        if wrapped:
+            raise ValueError(
+                f"Modules {wrapped[:3]} are already wrapped in {label}. Pass the bare model: the strategy applies "
+                "tensor, pipeline and data parallelism itself (choose the mode with data_parallel_mode)."
+            )
+
+
+def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every: int = 2) -> int:
+    """Recompute blocks' activations in backward instead of keeping them; returns how many blocks.
+
+    ``full``: every block; ``selective``: every ``every``-th block (the 1st, ``every+1``-th, ...).
+    Only ``forward`` is wrapped (non-reentrant ``torch.utils.checkpoint``): module names, hooks and
+    parameters are unchanged, so state dicts and tensor/data-parallel hooks see the same model.
+    """
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is not one of {format_choices(ACTIVATION_CHECKPOINTING)}."
+        )
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"activation_checkpointing_every={every!r} must be a positive integer.")
+    if mode == "none":
+        return 0
+    chosen = list(blocks) if mode == "full" else list(blocks)[::every]
+    for block in chosen:
+        if getattr(block, "_lightning_scale_checkpointed", False):
+            continue
+        block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
+        block._lightning_scale_checkpointed = True  # type: ignore[attr-defined]
+    return len(chosen)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def compile_blocks(blocks: Sequence[nn.Module], **compile_kwargs: Any) -> None:
+    """``torch.compile`` each block in place (``Module.compile``: names and parameters unchanged)."""
+    for block in blocks:
+        block.compile(**compile_kwargs)
+
+
+def apply_data_parallel(
+    mode: str,
+    mesh: DeviceMesh,
+    blocks: Sequence[nn.Module],
+    roots: Sequence[nn.Module],
+    *,
+    pipelined: bool = False,
+) -> None:
+    """Apply FSDP2 ``replicate`` (mode ``ddp``) or ``fully_shard`` bottom-up: each block, then each root.
+
+    ``mesh``: the 1-D data-parallel mesh, or for ``hsdp`` the 2-D (replicate, shard) mesh.
+    ``roots``: the modules whose forward runs the blocks (a pipeline rank with several stages has
+    one per stage); parameters outside the blocks are grouped with them.
+    """
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel_mode={mode!r} is not one of {format_choices(DATA_PARALLEL_MODES)}.")
+    if mode == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for module in [*blocks, *roots]:
+            replicate(module, mesh=mesh)
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    # Pipelined: the gathered parameters serve every micro-batch of the step.
+    reshard = mode == "fsdp" and not pipelined
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    for root in roots:
+        fully_shard(root, mesh=mesh, reshard_after_forward=False)
+
+
+def bf16_compress_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce the gradient bucket in bfloat16, then cast back.
+
+    torch's ``bf16_compress_hook`` is refused by DDP unless the backend is NCCL (or XCCL), although
+    gloo all-reduces bfloat16 tensors; this one works with every backend. bfloat16 keeps fp32's
+    range with 8 bits of mantissa: each all-reduce rounds gradients to about 3 significant digits.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def register_compression(
+    ddp: nn.parallel.DistributedDataParallel,
+    kind: str,
+    group: dist.ProcessGroup,
+    *,
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
+) -> Any:
+    """Register a gradient-compression communication hook on a DDP module; returns the hook state.
+
+    ``fp16``/``bf16``: all-reduce in half precision (half the bytes). ``powersgd``: rank-``r``
+    low-rank approximation with error feedback (Vogels et al. 2019), plain all-reduce for the first
+    ``powersgd_start_iter`` steps.
+    """
+    if kind not in COMPRESSIONS:
+        raise ValueError(f"gradient_compression={kind!r} is not one of {format_choices(COMPRESSIONS)}.")
+    if kind == "none":
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if kind == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        return group
+    if kind == "bf16":
+        ddp.register_comm_hook(group, bf16_compress_hook)
+        return group
+    state = powerSGD_hook.PowerSGDState(
+        process_group=group,
+        matrix_approximation_rank=powersgd_rank,
+        start_powerSGD_iter=powersgd_start_iter,
+        use_error_feedback=True,
+        warm_start=True,
+    )
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return state

@@ -1,0 +1,118 @@
+"""Turning a LightningModule into this rank's part of a (dp, pp, tp) layout, in one documented order:
+
+1. pipeline: keep this rank's stage(s), removing the other stages' blocks (names unchanged);
+2. tensor parallel: the plan, checked against the whole model, applied to the modules kept;
+3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block);
+4. ``torch.compile`` of each block (optional);
+5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
+   modules that run them. (Plain DDP, when nothing else cuts the model, is the strategy's.)
+
+Each step sees the module the previous one left, so e.g. FSDP shards the tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
+from lightning_scale.core.layout import Layout
+from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
+from lightning_scale.core.tensor_parallel import apply_tensor_parallel, resolve_plan
+from lightning_scale.strategies._options import ParallelOptions
+from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, PipelineRunner
+
+__all__ = ["parallelize"]
+
+
+def _blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:
+    hook = getattr(module, PIPELINE_SPEC_HOOK, None)
+    return hook() if callable(hook) else find_registered_spec(module)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def parallelize(
+    module: LightningModule,
+    options: ParallelOptions,
+    layout: Layout,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    tensor_parallel_plan: Callable[[LightningModule], dict[str, ParallelStyle | str]],
+    example_batch: Callable[[], Any],
+) -> PipelineRunner | None:
+    """Apply pipeline, tensor, activation-checkpointing, compile and FSDP2 data parallelism in place.
+
+    Returns the pipeline runner when ``layout.pp > 1``.
+    """
+    found = _blocks_spec(module)
+    needs_blocks = options.activation_checkpointing != "none" or options.compile
+    if needs_blocks and found is None:
+        raise ValueError(
+            f"activation_checkpointing={options.activation_checkpointing!r} and compile={options.compile} act on "
+            f"the model's blocks, but {type(module).__name__} declares none: define `{PIPELINE_SPEC_HOOK}(self)` "
+            "(it lists the blocks) or register the architecture with lightning_scale.core.pipeline.register_pipeline_spec."
+        )
+    # The plan is checked against the whole model (every key must match a module), then applied to
+    # the modules this rank kept.
+    plan = resolve_plan(module, tensor_parallel_plan(module)) if layout.tp > 1 else {}
+    runner = None
+    if layout.pp > 1:
+        runner = PipelineRunner(
+            module,
+            mesh,
+            schedule=options.schedule,
+            microbatches=options.microbatches or 2 * layout.pp,
+            virtual_stages=options.virtual_stages,
+            partition=options.partition,
+            device=device,
+            example_batch=example_batch() if options.partition == "by_cost" else None,
+        )
+    if plan:
+        kept = {n for n, _ in module.named_modules()}
+        apply_tensor_parallel(module, mesh["tp"], {n: s for n, s in plan.items() if n in kept})
+
+    blocks: list[nn.Module] = []
+    root: nn.Module | None = None
+    if runner is not None:
+        blocks, root = runner.block_modules(), runner.root
+    elif found is not None:
+        root_name, spec = found
+        root = module.get_submodule(root_name) if root_name else module
+        blocks = [root.get_submodule(b) for b in spec.blocks]
+    checkpointed = apply_activation_checkpointing(
+        blocks, options.activation_checkpointing, options.activation_checkpointing_every
+    )
+    if checkpointed:
+        rank_zero_info(f"Activation checkpointing ({options.activation_checkpointing}): {checkpointed} blocks")
+    if options.compile:
+        compile_blocks(blocks)
+
+    plain_ddp = layout.tp == 1 and layout.pp == 1 and options.data_parallel_mode == "ddp"
+    if layout.dp > 1 and not plain_ddp:
+        if runner is not None:
+            roots = runner.stage_modules()
+        else:
+            if any(True for _ in module.parameters(recurse=False)):
+                raise ValueError(
+                    f"{type(module).__name__} holds parameters directly; put them in a submodule so that "
+                    f"data_parallel_mode={options.data_parallel_mode!r} can wrap the modules the training step calls."
+                )
+            # FSDP2 hooks a module's forward: wrap the modules the training step calls, not the LightningModule.
+            roots = [root] if root is not None and root is not module else []
+            roots += [c for c in module.children() if _has_params(c) and c is not root]
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if options.data_parallel_mode == "hsdp" else mesh["dp"]
+        apply_data_parallel(options.data_parallel_mode, dp_mesh, blocks, roots, pipelined=runner is not None)
+    if runner is not None:
+        runner.build()
+    return runner

@@ -1,0 +1,76 @@
+"""Train the reference GPT under a strategy and compare with one process: losses, val loss, parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from helpers.lightning import quiet_trainer
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPTConfig, GPTLightningModule
+
+__all__ = ["RecordLoss", "assert_parity", "fit_gpt"]
+
+
+class RecordLoss(Callback):
+    """Every rank's logged ``train/loss`` after each batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def fit_gpt(
+    strategy: Any,
+    devices: int,
+    config: GPTConfig,
+    *,
+    steps: int = 20,
+    accumulate: int = 1,
+    precision: str = "64-true",
+    global_batch_size: int = 8,
+) -> dict[str, Any]:
+    """Fit with clipping and validation; returns this rank's losses, the val loss and the full parameters."""
+    seed_everything(0, verbose=False)
+    record = RecordLoss()
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=accumulate,
+        callbacks=[record],
+        limit_val_batches=4,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+    )
+    module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=3)
+    datamodule = TextDataModule(seq_len=32, global_batch_size=global_batch_size)
+    trainer.fit(module, datamodule=datamodule)
+    val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    if devices > 1:
+        # Full tensors of what this rank holds (a collective over shards), merged over all ranks.
+        local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
+        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
+        state = {k: v for part in parts for k, v in part.items()}
+    else:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"losses": record.losses, "val": val, "state": state}
+
+
+def assert_parity(results: list[dict[str, Any]], reference: dict[str, Any], rtol: float = 1e-5) -> None:
+    for result in results:
+        # Every rank logs the true loss (the last pipeline stage's, averaged over replicas).
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0)
+        assert result["val"] == pytest.approx(reference["val"], rel=rtol)
+        assert result["state"].keys() == reference["state"].keys()
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, rtol=rtol, atol=1e-7, msg=name)
