@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -42,3 +43,88 @@ def test_dp2_pp2_fsdp_grad_op_matches_one_process(single: dict[str, Any]) -> Non
 def test_dp4_hsdp_2x2_matches_one_process(single: dict[str, Any]) -> None:
     kwargs = {"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 2, "hsdp_shard": 2}
     assert_parity(run_distributed(_hybrid, 4, kwargs, timeout=300), single)
+
+
+# ---------------------------------------------------------------- gradient compression (DDP communication hooks)
+
+
+def _final_val_losses(rank: int, world: int, kinds: tuple[str, ...], steps: int) -> dict[str, float]:
+    from helpers.lightning import quiet_trainer
+    from lightning.pytorch import seed_everything
+
+    from lightning_scale.data import TextDataModule
+    from lightning_scale.models import GPTLightningModule
+
+    results = {}
+    for kind in kinds:
+        seed_everything(0, verbose=False)
+        strategy = HybridParallelStrategy(data_parallel=world, gradient_compression=kind, powersgd_rank=2)
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=steps, limit_val_batches=8)
+        module = GPTLightningModule(GPTConfig.from_preset("tiny"), learning_rate=3e-3, warmup_steps=10)
+        datamodule = TextDataModule(seq_len=64, global_batch_size=8)
+        trainer.fit(module, datamodule=datamodule)
+        results[kind] = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    return results
+
+
+@pytest.mark.slow
+def test_bf16_and_powersgd_compression_train_within_3_percent_of_uncompressed() -> None:
+    losses = run_distributed(_final_val_losses, 2, ("none", "fp16", "bf16", "powersgd"), 200, timeout=600)[0]
+    print("final val loss after 200 steps at dp=2:", losses)
+    assert losses["none"] < 3.6  # it learned: the byte-level loss starts at about 5.5
+    for kind in ("fp16", "bf16", "powersgd"):
+        assert abs(losses[kind] - losses["none"]) <= 0.03 * losses["none"], (kind, losses)
+    # Compression changed the arithmetic (the hooks ran), and only a little.
+    assert len(set(losses.values())) == len(losses), losses
+
+
+# ---------------------------------------------------------------- bad input, before training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"data_parallel_mode": "zero3"}, r"data_parallel_mode='zero3' is not one of 'ddp', 'fsdp', 'fsdp_grad_op', 'hsdp'"),
+        (
+            {"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 3, "hsdp_shard": 2},
+            r"hsdp needs hsdp_replicate x hsdp_shard = data_parallel, but 3 x 2 does not make data_parallel=4",
+        ),
+        ({"data_parallel_mode": "fsdp", "gradient_compression": "powersgd"}, r"gradient_compression='powersgd' uses DDP communication hooks, which data_parallel_mode='fsdp' does not have"),
+        ({"gradient_compression": "bf16", "tensor_parallel": 2}, r"gradient_compression='bf16' applies to plain data parallelism.*tensor_parallel=2 must be 1"),
+        ({"gradient_compression": "int4"}, r"gradient_compression='int4' is not one of 'bf16', 'fp16', 'none', 'powersgd'"),
+        ({"hsdp_replicate": 2}, r"hsdp_replicate/hsdp_shard are set but data_parallel_mode='ddp'"),
+        ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' is not one of 'full', 'none', 'selective'"),
+        ({"activation_checkpointing_every": 0}, r"activation_checkpointing_every=0 must be a positive integer"),
+    ],
+    ids=["unknown-mode", "hsdp-product", "compression-fsdp", "compression-tp", "unknown-compression", "hsdp-sizes-without-hsdp", "unknown-ac", "ac-every"],
+)  # fmt: skip
+def test_bad_data_parallel_settings_are_refused_when_the_strategy_is_built(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HybridParallelStrategy(**kwargs)
+
+
+def _wrapped_error(rank: int, world: int, wrapper: str) -> str:
+    import torch
+    from helpers.lightning import quiet_trainer
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from lightning_scale.data import TextDataModule
+    from lightning_scale.models import GPTLightningModule
+
+    module = GPTLightningModule(CONFIG)
+    if wrapper == "ddp":
+        module.model.blocks["0"] = torch.nn.parallel.DistributedDataParallel(module.model.blocks["0"])
+    else:
+        module.model = FullyShardedDataParallel(module.model, device_id=torch.device("cpu"))
+    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel_mode="fsdp"), max_steps=1)
+    try:
+        trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(("wrapper", "label"), [("ddp", "DistributedDataParallel"), ("fsdp1", r"FullyShardedDataParallel \(FSDP1\)")])
+def test_a_module_already_wrapped_for_data_parallelism_is_refused(wrapper: str, label: str) -> None:
+    for message in run_distributed(_wrapped_error, 2, wrapper, timeout=120):
+        assert re.search(rf"are already wrapped in {label}\. Pass the bare model", message), message

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
 from typing_extensions import override
 
 from lightning_scale.core.data_parallel import check_not_wrapped, register_compression
-from lightning_scale.core.grad_norm import clip_grad_norm_
+from lightning_scale.core.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_scale.core.layout import MESH_DIMS, Layout, resolve_layout
 from lightning_scale.core.tensor_parallel import find_registered_plans
 from lightning_scale.strategies._checkpoint import (
@@ -288,18 +288,25 @@ class HybridParallelStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+    def _norm_scope(self, optimizer: Any) -> tuple[list[Tensor], dict[str, Any]]:
+        """The optimizer's parameters, and how their global norm is taken (over stages, ties once)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self._pipeline is None:
-            clip_grad_norm_(params, clip_val)
-            return
+            return params, {}
         skip = self._pipeline.excluded_from_norm()
-        clip_grad_norm_(
-            params,
-            clip_val,
-            group=self.device_mesh["pp"].get_group(),
-            norm_parameters=[p for p in params if id(p) not in skip],
-        )
+        return params, {
+            "group": self.device_mesh["pp"].get_group(),
+            "norm_parameters": [p for p in params if id(p) not in skip],
+        }
+
+    def gradient_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
+        """The norm of the whole model's gradients (every shard, replica and stage), equal on every rank."""
+        params, scope = self._norm_scope(optimizer)
+        return total_grad_norm(scope.get("norm_parameters", params), norm_type, scope.get("group"))
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        params, scope = self._norm_scope(optimizer)
+        clip_grad_norm_(params, clip_val, **scope)
 
     def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
         tp = self.layout.tp
@@ -348,7 +355,13 @@ class HybridParallelStrategy(ParallelStrategy):
         if self.layout.dp > 1 and self.layout.tp == 1 and self.layout.pp == 1 and self.options.data_parallel_mode == "ddp":
             # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the base
             # strategy redirects training_step through the wrapper so its hooks run.
-            ddp = nn.parallel.DistributedDataParallel(module, device_mesh=self.device_mesh["dp"])
+            kwargs: dict[str, Any] = {}
+            if self.options.gradient_compression == "powersgd" and self.process_group_backend == "gloo":
+                # PowerSGD's hook starts its second all-reduce from the first one's future callback;
+                # on gloo that races with the next bucket's all-reduce and the ranks' collectives
+                # mismatch ("Received data size doesn't match expected size"). One bucket avoids it.
+                kwargs["bucket_cap_mb"] = 2**20
+            ddp = nn.parallel.DistributedDataParallel(module, device_mesh=self.device_mesh["dp"], **kwargs)
             register_compression(
                 ddp,
                 self.options.gradient_compression,

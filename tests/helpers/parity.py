@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from helpers.lightning import quiet_trainer
+from lightning_scale.callbacks import GradNormMonitor
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 
@@ -17,13 +18,16 @@ __all__ = ["RecordLoss", "assert_parity", "fit_gpt"]
 
 
 class RecordLoss(Callback):
-    """Every rank's logged ``train/loss`` after each batch."""
+    """Every rank's logged ``train/loss`` (and ``train/grad_norm`` when logged) after each batch."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        if "train/grad_norm" in trainer.callback_metrics:
+            self.grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
 
 
 def fit_gpt(
@@ -46,7 +50,7 @@ def fit_gpt(
         max_steps=steps,
         gradient_clip_val=0.5,
         accumulate_grad_batches=accumulate,
-        callbacks=[record],
+        callbacks=[GradNormMonitor(), record],
         limit_val_batches=4,
         val_check_interval=None,
         check_val_every_n_epoch=None,
@@ -63,13 +67,16 @@ def fit_gpt(
         state = {k: v for part in parts for k, v in part.items()}
     else:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"losses": record.losses, "val": val, "state": state}
+    return {"losses": record.losses, "grad_norms": record.grad_norms, "val": val, "state": state}
 
 
 def assert_parity(results: list[dict[str, Any]], reference: dict[str, Any], rtol: float = 1e-5) -> None:
     for result in results:
         # Every rank logs the true loss (the last pipeline stage's, averaged over replicas).
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0)
+        # The global gradient norm (before clipping), over every shard, replica and stage.
+        assert len(result["grad_norms"]) == len(reference["grad_norms"]) > 0
+        torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], rtol=rtol, atol=0)
         assert result["val"] == pytest.approx(reference["val"], rel=rtol)
         assert result["state"].keys() == reference["state"].keys()
         for name, value in reference["state"].items():
