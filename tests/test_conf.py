@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -17,7 +18,7 @@ from hydra.errors import MissingConfigException
 from hydra.utils import _locate, instantiate
 from omegaconf import OmegaConf
 
-from lightning_scale.cli.train import run
+from lightning_scale.cli.train import _instantiate, run
 from lightning_scale.models import PRESETS
 
 CONF = Path(str(resources.files("lightning_scale") / "conf"))
@@ -27,6 +28,7 @@ GROUPS = ["trainer", "model", "data", "strategy", "precision", "callbacks", "log
 _FORWARDS: dict[str, str] = {
     "lightning.pytorch.strategies.DDPStrategy": "torch.nn.parallel.DistributedDataParallel",
     "lightning.pytorch.loggers.WandbLogger": "wandb.init",
+    "lightning_scale.strategies.deepspeed_strategy": "lightning.pytorch.strategies.DeepSpeedStrategy",
 }
 
 
@@ -147,3 +149,18 @@ def test_wandb_logger_writes_an_offline_run_and_finishes_it(tmp_path: Path) -> N
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("stage", "mode"), [(1, "fsdp_grad_op"), (2, "fsdp_grad_op"), (3, "fsdp")])
+def test_deepspeed_presets_name_the_cpu_equivalent(stage: int, mode: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the error is for machines without CUDA")
+    with pytest.raises(ValueError, match=rf"deepspeed_zero{stage} uses Lightning's DeepSpeedStrategy, which needs CUDA GPUs.*strategy=hybrid strategy.data_parallel_mode={mode}"):
+        _instantiate(_compose(f"strategy=deepspeed_zero{stage}").strategy)  # as the CLI does, unwrapping Hydra's error
+
+
+def test_3d_presets_build_their_layouts() -> None:
+    for option in [o for o in _options("strategy") if o.startswith("3d_")]:
+        strategy = instantiate(_compose(f"strategy={option}").strategy)
+        assert strategy.options.data_parallel_mode in ("ddp", "fsdp", "fsdp_grad_op", "hsdp"), option
+    assert instantiate(_compose("strategy=3d_dp2_tp2_pp2").strategy).options.pipeline_parallel == 2

@@ -6,6 +6,9 @@ inside ``--multirun``, re-run the whole sweep (Lightning #11300, #18175). So the
 resolves the config once, writes it to ``<run_dir>/resolved_config.yaml`` and names it in
 ``LIGHTNING_SCALE_RESOLVED_CONFIG``; a child (``LOCAL_RANK`` set) that finds that variable loads
 the file and never enters Hydra. All processes share the one absolute ``run_dir``.
+
+When torchrun or SLURM starts every rank, each composes the config; ``launch.py`` gives them one
+run directory, and only global rank 0 writes the resolved config and the summary.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
+
+from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
 
 __all__ = ["RESOLVED_CONFIG_ENV", "build", "main", "planned_data_parallel_size", "run"]
 
@@ -205,11 +210,16 @@ def _hydra_entry() -> None:
         cfg.run_dir = str(run_dir)
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "resolved_config.yaml"
-        OmegaConf.save(resolved, path)
-        os.environ[RESOLVED_CONFIG_ENV] = str(path)
+        if global_rank() == 0:
+            path = run_dir / "resolved_config.yaml"
+            OmegaConf.save(resolved, path)
+            if not launched_externally():
+                os.environ[RESOLVED_CONFIG_ENV] = str(path)  # for the children Lightning starts
         run(resolved)
 
+    if launched_externally() and global_rank() != 0:
+        # Rank 0 writes the run's .hydra record; the others would write the same files at once.
+        sys.argv.append("hydra.output_subdir=null")
     _main()
 
 
@@ -217,6 +227,7 @@ def main() -> None:
     """Console entry point."""
     # Lightning 2.6's pytree helper trips torch>=2.10's LeafSpec deprecation on every batch transfer.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    register_resolvers()
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
     if resolved and "LOCAL_RANK" in os.environ:
         # A child started by Lightning's launcher: the parent resolved the config already.

@@ -1,11 +1,12 @@
-"""Lightning strategies. Importing this registers ``"hybrid"`` and ``"tensor_parallel"`` with
-Lightning's ``StrategyRegistry`` (Lightning does not discover third-party strategies)."""
+"""Lightning strategies. Importing this registers ``"hybrid"``, ``"tensor_parallel"`` and ``"pipeline"``
+with Lightning's ``StrategyRegistry`` (Lightning does not discover third-party strategies)."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_scale.strategies.deepspeed import deepspeed_strategy
 from lightning_scale.strategies.hybrid import TENSOR_PARALLEL_PLAN_HOOK, HybridParallelStrategy
 
 if "hybrid" not in StrategyRegistry:
     HybridParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["TENSOR_PARALLEL_PLAN_HOOK", "HybridParallelStrategy"]
+__all__ = ["TENSOR_PARALLEL_PLAN_HOOK", "HybridParallelStrategy", "deepspeed_strategy"]
