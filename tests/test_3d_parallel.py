@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import pytest
+import torch
 from helpers.distributed import run_distributed
 from helpers.parity import assert_parity, fit_gpt
 
@@ -128,3 +129,73 @@ def _wrapped_error(rank: int, world: int, wrapper: str) -> str:
 def test_a_module_already_wrapped_for_data_parallelism_is_refused(wrapper: str, label: str) -> None:
     for message in run_distributed(_wrapped_error, 2, wrapper, timeout=120):
         assert re.search(rf"are already wrapped in {label}\. Pass the bare model", message), message
+
+
+# ---------------------------------------------------------------- FSDP under a pipeline: gather once per step
+
+
+def _all_gathers_in_a_step(rank: int, world: int, microbatches: int) -> int:
+    from helpers.lightning import quiet_trainer
+    from lightning.pytorch import Callback, seed_everything
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_scale.data import TextDataModule
+    from lightning_scale.models import GPTLightningModule
+
+    counts: list[int] = []
+
+    class _Count(Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.prof.__exit__(None, None, None)
+            counts.append(sum(e.count for e in self.prof.key_averages() if "all_gather" in e.key))
+
+    seed_everything(0, verbose=False)
+    strategy = HybridParallelStrategy(
+        data_parallel=2, pipeline_parallel=2, data_parallel_mode="fsdp", microbatches=microbatches
+    )
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=2, callbacks=[_Count()])
+    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=32, global_batch_size=16))
+    return counts[-1]
+
+
+@pytest.mark.slow
+def test_fsdp_under_a_pipeline_gathers_parameters_once_per_step_not_per_micro_batch() -> None:
+    two = run_distributed(_all_gathers_in_a_step, 4, 2, timeout=300)
+    eight = run_distributed(_all_gathers_in_a_step, 4, 8, timeout=300)
+    assert min(two) > 0, two  # the profiler saw FSDP's all-gathers
+    assert two == eight, (two, eight)
+
+
+# ---------------------------------------------------------------- activation checkpointing and torch.compile, composed
+
+
+def _losses_with(rank: int, world: int, kwargs: dict[str, Any]) -> tuple[list[float], list[str]]:
+    from helpers.lightning import quiet_trainer
+    from helpers.parity import RecordLoss
+    from lightning.pytorch import seed_everything
+
+    from lightning_scale.data import TextDataModule
+    from lightning_scale.models import GPTLightningModule
+
+    seed_everything(0, verbose=False)
+    record = RecordLoss()
+    config = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16, tie_embeddings=False)
+    module = GPTLightningModule(config)
+    trainer = quiet_trainer(devices=1, strategy=HybridParallelStrategy(data_parallel=1, **kwargs), max_steps=3, callbacks=[record])
+    trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=2))
+    compiled = [name for name, m in module.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    return record.losses, compiled
+
+
+@pytest.mark.slow
+def test_compiled_and_checkpointed_blocks_train_like_plain_ones() -> None:
+    plain, none_compiled = run_distributed(_losses_with, 1, {}, timeout=120)[0]
+    fancy, compiled = run_distributed(
+        _losses_with, 1, {"compile": True, "activation_checkpointing": "full"}, timeout=300
+    )[0]
+    assert none_compiled == [] and compiled == ["model.blocks.0", "model.blocks.1"]
+    torch.testing.assert_close(fancy, plain, rtol=1e-4, atol=0)

@@ -58,3 +58,24 @@ def test_two_torchrun_agents_on_loopback_train_dp2_by_tp2(tmp_path: Path) -> Non
     assert summary["world_size"] == 4 and summary["global_step"] == 6
     assert (run_dir / "train.log").exists() and (run_dir / "train.rank3.log").exists()
     assert (run_dir / "resolved_config.yaml").exists() and (run_dir / ".hydra").is_dir()
+
+
+def test_slurm_ranks_share_a_run_directory_named_by_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SLURM itself does not run here: its environment variables stand in for it.
+    from lightning_scale.cli import launch
+
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    launch.run_name.cache_clear()
+    try:
+        assert launch.launched_externally() and launch.global_rank() == 5
+        assert launch.run_name() == "slurm-4242"
+        assert launch._log_suffix() == ".rank5"
+        monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: Lightning's own launcher starts the rest
+        launch.run_name.cache_clear()
+        assert not launch.launched_externally() and launch._log_suffix() == ""
+    finally:
+        launch.run_name.cache_clear()
