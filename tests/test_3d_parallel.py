@@ -199,3 +199,34 @@ def test_compiled_and_checkpointed_blocks_train_like_plain_ones() -> None:
     )[0]
     assert none_compiled == [] and compiled == ["model.blocks.0", "model.blocks.1"]
     torch.testing.assert_close(fancy, plain, rtol=1e-4, atol=0)
+
+
+# ---------------------------------------------------------------- several stages per rank under data parallelism
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_dp2_pp2_fsdp_with_two_stages_per_rank_matches_one_process(single: dict[str, Any], schedule: str) -> None:
+    kwargs = {"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": "fsdp", "microbatches": 2, "schedule": schedule}
+    assert_parity(run_distributed(_hybrid, 4, kwargs, timeout=300), single)
+
+
+def _tied_v_error(rank: int, world: int) -> str:
+    from helpers.lightning import quiet_trainer
+
+    from lightning_scale.data import TextDataModule
+    from lightning_scale.models import GPTLightningModule
+
+    tied = GPTConfig(n_layers=4, d_model=64, n_heads=4, block_size=32, tie_embeddings=True)
+    strategy = HybridParallelStrategy(data_parallel=2, pipeline_parallel=2, schedule="zbv", microbatches=2)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    try:
+        trainer.fit(GPTLightningModule(tied), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parallelism() -> None:
+    for message in run_distributed(_tied_v_error, 4, timeout=180):
+        assert "one weight shared by two pipeline stages of one rank" in message and "tie_embeddings=False" in message, message

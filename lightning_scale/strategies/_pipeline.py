@@ -131,6 +131,8 @@ class PipelineRunner:
         self._last_global_rank = int(self.pp_mesh.mesh[last_rank])
 
         tied = [(names, tuple(root.get_parameter(names[0]).shape)) for names in tied_parameter_groups(root)]
+        if mesh["dp"].size() > 1:
+            self._check_ties_for_data_parallel(spec, [names for names, _ in tied], ranks)
         keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))
         prune_to_stage(root, spec, keep, is_first=self.is_first, is_last=self.is_last)
         self._split_ties = self._split_tie_groups(root, tied)
@@ -205,6 +207,38 @@ class PipelineRunner:
             PipelineStage(module, s, self.num_stages, self.device, group=group)
             for module, s in zip(modules, self.local_stages, strict=True)
         ]
+
+    def _stage_of(self, spec: PipelineSpec, param_name: str) -> int | None:
+        """The stage whose modules hold ``param_name`` (None: outside every declared module)."""
+
+        def owner(module: str) -> bool:
+            return param_name.startswith(module + ".")
+
+        if any(owner(m) for m in spec.first):
+            return 0
+        if any(owner(m) for m in spec.last):
+            return self.num_stages - 1
+        for b, block in enumerate(spec.blocks):
+            if owner(block):
+                return next(s for s in range(self.num_stages) if b in self.partition.blocks(s))
+        return None
+
+    def _check_ties_for_data_parallel(self, spec: PipelineSpec, tied: list[list[str]], ranks: list[int]) -> None:
+        """Data parallelism wraps each stage of a rank on its own; a weight two stages of one rank share
+        (a tied embedding and head under a V-shaped schedule) would come apart. Every rank decides alike."""
+        for names in tied:
+            stages = {s for s in (self._stage_of(spec, n) for n in names) if s is not None}
+            by_rank: dict[int, set[int]] = {}
+            for s in stages:
+                by_rank.setdefault(ranks[s], set()).add(s)
+            if any(len(on_rank) > 1 for on_rank in by_rank.values()):
+                raise ValueError(
+                    f"Parameters {names} are one weight shared by two pipeline stages of one rank (a tied embedding "
+                    f"and output head under schedule={self.schedule_name!r}). With data parallelism each stage is "
+                    "wrapped on its own, which would break the tie: untie the weights (GPT: tie_embeddings=False) or "
+                    "use a schedule that puts the first and last stage on different ranks (gpipe, 1f1b, "
+                    "interleaved_1f1b, interleaved_zero_bubble)."
+                )
 
     def _split_tie_groups(
         self, root: nn.Module, tied: list[tuple[list[str], tuple[int, ...]]]
