@@ -20,42 +20,27 @@ Prints ``BENCH tensor_parallel {json}`` last and writes benchmarks/results/tenso
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
+
+from _common import RESULTS, StepTimer, emit, join_process_group, run_workers
 
 from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LR, CLIP = 1e-3, 1.0
-
-
-class _StepTimer(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def _raw_step(model: GPT, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, tensor_parallel: bool) -> None:
@@ -89,13 +74,7 @@ def _comm_seconds_per_step(step: Any, steps: int) -> float:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=600))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    join_process_group(rank, world, port)
     config = GPTConfig(
         n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, block_size=args.seq, vocab_size=256
     )
@@ -116,7 +95,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
 
     timings: dict[str, list[float]] = {"strategy": [], "raw_torch": [], "tp1": []}
     for _ in range(args.rounds):
-        timer = _StepTimer()
+        timer = StepTimer()
         trainer = Trainer(
             accelerator="cpu", devices=world, strategy=HybridParallelStrategy(tensor_parallel=world),
             max_steps=steps, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
@@ -153,15 +132,7 @@ def main() -> None:
     args = parser.parse_args()
 
     world = 2
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, args, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    result = queue.get(timeout=3600)
-    for proc in procs:
-        proc.join(timeout=120)
+    result = run_workers(_worker, world, args)
 
     timings = result["timings"]
     med = {k: statistics.median(v) for k, v in timings.items()}
@@ -183,9 +154,7 @@ def main() -> None:
         "fraction_of_bound": round(bound / med["strategy"], 4),
         "targets": {"ratio_vs_raw_torch": "<= 1.05"},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"BENCH tensor_parallel {json.dumps(report)}", flush=True)
+    emit("tensor_parallel", report, args.out)
 
 
 if __name__ == "__main__":

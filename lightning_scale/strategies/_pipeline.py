@@ -129,6 +129,7 @@ class PipelineRunner:
         self.is_last = self.num_stages - 1 in self.local_stages
         last_rank = ranks[-1]
         self._last_global_rank = int(self.pp_mesh.mesh[last_rank])
+        self._replicas = mesh["dp"].size()
 
         tied = [(names, tuple(root.get_parameter(names[0]).shape)) for names in tied_parameter_groups(root)]
         if mesh["dp"].size() > 1:
@@ -337,12 +338,19 @@ class PipelineRunner:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         else:
             self._eval_schedule.eval(*args, **kwargs)
-        # Only the last stage knows the loss; every rank logs the true value. float64 on every rank:
-        # the broadcast must have the same size everywhere, whatever the model's precision.
+        # Only the last stage knows the loss; every rank logs the true value, averaged over the
+        # data-parallel replicas: one collective per step. float64 on every rank: the collective
+        # must have the same size everywhere, whatever the model's precision.
         loss = torch.zeros((), device=inputs.device, dtype=torch.float64)
         if self.is_last:
             loss = (torch.stack([_local(l.detach()) for l in losses]).mean() / scale).to(torch.float64)
-        dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        if self._replicas == 1:
+            dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        else:
+            # Every rank of the last stage (each data-parallel replica, each tensor shard) holds its
+            # replica's loss; the others contribute zero.
+            dist.all_reduce(loss)
+            loss /= self._replicas * self.mesh["tp"].size()
         return loss
 
     def train_step(self, batch: Any, accumulate_grad_batches: int) -> torch.Tensor:

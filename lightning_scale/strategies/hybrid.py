@@ -14,7 +14,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch import LightningModule, Trainer
@@ -426,7 +425,8 @@ class HybridParallelStrategy(ParallelStrategy):
         assert self._pipeline is not None
         with self._loss_context():
             loss = self._pipeline.eval_step(batch)
-        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)
+        # Already the mean over replicas, on every rank (the pipeline's one collective).
+        self.lightning_module.log(name, loss, prog_bar=True)
         return loss
 
     @override
@@ -438,8 +438,8 @@ class HybridParallelStrategy(ParallelStrategy):
                     self._pipeline_batch, self.lightning_module.trainer.accumulate_grad_batches
                 )
             self._pipeline_batch = None
-            # Every rank logs the last stage's loss (the pipeline broadcast it).
-            self.lightning_module.log("train/loss", loss, prog_bar=True, sync_dist=True)
+            # Every rank logs the last stage's loss, already averaged over replicas by the pipeline.
+            self.lightning_module.log("train/loss", loss, prog_bar=True)
             return closure_loss
         # loss_parallel's cross entropy must also be differentiated inside the context.
         with self._loss_context():
@@ -467,9 +467,20 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         # Over the world: tensor- and pipeline-parallel ranks of a replica log equal values,
-        # so the world mean is the data-parallel mean.
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        # so the world mean is the data-parallel mean. Unlike Lightning's helper, no barrier
+        # before the all-reduce (the all-reduce synchronises already).
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        group = _group.WORLD if group is None else group
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if isinstance(reduce_op, str) and not mean:
+            op = getattr(torch.distributed.ReduceOp, reduce_op.upper())
+        else:
+            op = torch.distributed.ReduceOp.SUM if mean or reduce_op is None else reduce_op
+        torch.distributed.all_reduce(tensor, op=op, group=group)
+        if mean:
+            size = torch.distributed.get_world_size(group)
+            return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
