@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 
-__all__ = ["RESULTS", "StepTimer", "emit", "join_process_group", "run_workers"]
+__all__ = ["RESULTS", "StepTimer", "emit", "join_process_group", "run_workers", "timed"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,6 +37,16 @@ class StepTimer(Callback):
         loss = trainer.callback_metrics.get("train/loss")
         if self.first_loss is None and loss is not None:
             self.first_loss = float(loss)
+
+
+def timed(fn: Callable[[], Any], steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn``."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def join_process_group(rank: int, world: int, port: int, **env: str) -> None:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, run_workers
+from _common import RESULTS, StepTimer, emit, join_process_group, run_workers, timed
 from lightning_scale.core.partition import bubble_fraction, partition_by_layers
 from lightning_scale.core.pipeline import prune_to_stage
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec, language_model_loss
@@ -142,15 +142,6 @@ class _RawPipeline:
         return fwd_bwd[1:], opt[1:]
 
 
-def _timed(fn: Any, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     join_process_group(rank, world, port, LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
     # Lightning 2.6's pytree helper against torch >= 2.10, and per-Trainer banners: noise here.
@@ -207,12 +198,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
             t["strategy"] += timer.times[args.warmup :]
             first_loss[m].setdefault("strategy", timer.first_loss)
             dist.barrier()
-            t["raw_torch"] += _timed(lambda pipe=raw[m]: pipe.step(inputs, target), steps)[args.warmup :]
+            t["raw_torch"] += timed(lambda pipe=raw[m]: pipe.step(inputs, target), steps)[args.warmup :]
             first_loss[m].setdefault("raw_torch", raw[m].first_loss)
             dist.barrier()
             if ok:
                 losses: list[float] = []
-                ds_times = _timed(lambda peer=peers[m], out=losses: out.append(peer.step()), steps)
+                ds_times = timed(lambda peer=peers[m], out=losses: out.append(peer.step()), steps)
                 t["deepspeed"] += ds_times[args.warmup :]
                 first_loss[m].setdefault("deepspeed", losses[0])
             dist.barrier()

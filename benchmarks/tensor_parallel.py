@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, run_workers
+from _common import RESULTS, StepTimer, emit, join_process_group, run_workers, timed
 
 from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel
@@ -52,15 +51,6 @@ def _raw_step(model: GPT, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
     clip_grad_norm_(model.parameters(), CLIP)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _timed(fn: Any, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _comm_seconds_per_step(step: Any, steps: int) -> float:
@@ -104,11 +94,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         trainer.fit(module, train_dataloaders=loader)
         timings["strategy"] += timer.times[args.warmup :]
         dist.barrier()
-        raw_times = _timed(lambda: _raw_step(raw, raw_opt, tokens, True), steps)
+        raw_times = timed(lambda: _raw_step(raw, raw_opt, tokens, True), steps)
         timings["raw_torch"] += raw_times[args.warmup :]
         dist.barrier()
         if single is not None and single_opt is not None:
-            tp1_times = _timed(lambda: _raw_step(single, single_opt, tokens, False), steps)
+            tp1_times = timed(lambda: _raw_step(single, single_opt, tokens, False), steps)
             timings["tp1"] += tp1_times[args.warmup :]
         dist.barrier()
     comm = _comm_seconds_per_step(lambda: _raw_step(raw, raw_opt, tokens, True), args.steps)
