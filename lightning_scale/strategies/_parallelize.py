@@ -25,11 +25,39 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
 from lightning_scale.core.layout import Layout
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
-from lightning_scale.core.tensor_parallel import apply_tensor_parallel, resolve_plan
+from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, PipelineRunner
 
-__all__ = ["parallelize"]
+__all__ = ["TENSOR_PARALLEL_PLAN_HOOK", "parallelize", "tensor_parallel_plan"]
+
+
+TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
+"""Name of the LightningModule method that supplies a tensor-parallel plan::
+
+    def tensor_parallel_plan(self, tp_size: int, *, sequence_parallel: bool, loss_parallel: bool)
+        -> Mapping[str, ParallelStyle | str]   # module names relative to the LightningModule
+"""
+
+
+def tensor_parallel_plan(module: LightningModule, tp: int, options: ParallelOptions) -> dict[str, ParallelStyle | str]:
+    """The plan from the module's ``tensor_parallel_plan`` hook, else from the registered architectures inside it."""
+    kwargs = {"sequence_parallel": options.sequence_parallel, "loss_parallel": options.loss_parallel}
+    hook = getattr(module, TENSOR_PARALLEL_PLAN_HOOK, None)
+    if callable(hook):
+        return dict(hook(tp, **kwargs))
+    plan: dict[str, ParallelStyle | str] = {}
+    for prefix, plan_fn in find_registered_plans(module).items():
+        sub = module.get_submodule(prefix) if prefix else module
+        plan |= {(f"{prefix}.{k}" if prefix else k): v for k, v in plan_fn(sub, tp, **kwargs).items()}
+    if not plan:
+        raise ValueError(
+            f"tensor_parallel={tp} needs a tensor-parallel plan, but {type(module).__name__} defines no "
+            f"`{TENSOR_PARALLEL_PLAN_HOOK}(tp_size, *, sequence_parallel, loss_parallel)` method and contains no "
+            "module of a registered architecture (lightning_scale.core.tensor_parallel.register_plan). "
+            "Add the hook, or use tensor_parallel=1."
+        )
+    return plan
 
 
 def _blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:

@@ -25,13 +25,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel
+from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
 from lightning_scale.core.data_parallel import check_not_wrapped, register_compression
 from lightning_scale.core.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_scale.core.layout import MESH_DIMS, Layout, resolve_layout
-from lightning_scale.core.tensor_parallel import find_registered_plans
 from lightning_scale.strategies._checkpoint import (
     full_model_state,
     full_optimizer_state,
@@ -39,20 +38,12 @@ from lightning_scale.strategies._checkpoint import (
     load_full_optimizer_state,
 )
 from lightning_scale.strategies._options import ParallelOptions
-from lightning_scale.strategies._parallelize import parallelize
+from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
 from lightning_scale.strategies._pipeline import PipelineRunner
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
 _PARALLELIZED = "_lightning_scale_layout"  # set on a LightningModule once its parameters are parallelised
-
-TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
-"""Name of the LightningModule method that supplies a tensor-parallel plan::
-
-    def tensor_parallel_plan(self, tp_size: int, *, sequence_parallel: bool, loss_parallel: bool)
-        -> Mapping[str, ParallelStyle | str]   # module names relative to the LightningModule
-"""
-
 
 class HybridParallelStrategy(ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
@@ -307,25 +298,6 @@ class HybridParallelStrategy(ParallelStrategy):
         params, scope = self._norm_scope(optimizer)
         clip_grad_norm_(params, clip_val, **scope)
 
-    def _tensor_parallel_plan(self, module: LightningModule) -> dict[str, ParallelStyle | str]:
-        tp = self.layout.tp
-        kwargs = {"sequence_parallel": self.options.sequence_parallel, "loss_parallel": self.options.loss_parallel}
-        hook = getattr(module, TENSOR_PARALLEL_PLAN_HOOK, None)
-        if callable(hook):
-            return dict(hook(tp, **kwargs))
-        plan: dict[str, ParallelStyle | str] = {}
-        for prefix, plan_fn in find_registered_plans(module).items():
-            sub = module.get_submodule(prefix) if prefix else module
-            plan |= {(f"{prefix}.{k}" if prefix else k): v for k, v in plan_fn(sub, tp, **kwargs).items()}
-        if not plan:
-            raise ValueError(
-                f"tensor_parallel={tp} needs a tensor-parallel plan, but {type(module).__name__} defines no "
-                f"`{TENSOR_PARALLEL_PLAN_HOOK}(tp_size, *, sequence_parallel, loss_parallel)` method and contains no "
-                "module of a registered architecture (lightning_scale.core.tensor_parallel.register_plan). "
-                "Add the hook, or use tensor_parallel=1."
-            )
-        return plan
-
     def _parallelize(self, module: LightningModule) -> None:
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
         activation checkpointing, ``torch.compile``, data parallel.
@@ -348,7 +320,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 self.layout,
                 self.device_mesh,
                 device=self.root_device,
-                tensor_parallel_plan=self._tensor_parallel_plan,
+                tensor_parallel_plan=lambda m: tensor_parallel_plan(m, self.layout.tp, self.options),
                 example_batch=self._example_batch,
             )
         if self.layout.dp > 1 and self.layout.tp == 1 and self.layout.pp == 1 and self.options.data_parallel_mode == "ddp":
