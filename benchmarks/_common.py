@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 
-__all__ = ["RESULTS", "StepTimer", "emit", "join_process_group", "run_workers", "timed"]
+__all__ = ["RESULTS", "StepTimer", "emit", "join_process_group", "model_arguments", "run_workers", "timed"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,6 +37,14 @@ class StepTimer(Callback):
         loss = trainer.callback_metrics.get("train/loss")
         if self.first_loss is None and loss is not None:
             self.first_loss = float(loss)
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT shape every benchmark here takes: --layers, --d-model, --heads, --seq."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
 
 
 def timed(fn: Callable[[], Any], steps: int) -> list[float]:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, run_workers, timed
+from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 from lightning_scale.core.partition import bubble_fraction, partition_by_layers
 from lightning_scale.core.pipeline import prune_to_stage
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec, language_model_loss
@@ -241,10 +241,7 @@ def _round(value: float | None, digits: int = 5) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    model_arguments(parser)
     parser.add_argument("--batch", type=int, default=16, help="global batch; every micro-batch count must divide it")
     parser.add_argument("--microbatches", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 16])
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")

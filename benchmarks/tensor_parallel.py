@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, run_workers, timed
+from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 
 from lightning_scale.core.grad_norm import clip_grad_norm_
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel
@@ -110,10 +110,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
+    model_arguments(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every block")

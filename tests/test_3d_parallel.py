@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.distributed import run_distributed
+from helpers.lightning import fit_error, quiet_trainer
 from helpers.parity import assert_parity, fit_gpt
 
 import lightning_scale  # noqa: F401
@@ -50,7 +51,6 @@ def test_dp4_hsdp_2x2_matches_one_process(single: dict[str, Any]) -> None:
 
 
 def _final_val_losses(rank: int, world: int, kinds: tuple[str, ...], steps: int) -> dict[str, float]:
-    from helpers.lightning import quiet_trainer
     from lightning.pytorch import seed_everything
 
     from lightning_scale.data import TextDataModule
@@ -106,7 +106,6 @@ def test_bad_data_parallel_settings_are_refused_when_the_strategy_is_built(kwarg
 
 def _wrapped_error(rank: int, world: int, wrapper: str) -> str:
     import torch
-    from helpers.lightning import quiet_trainer
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from lightning_scale.data import TextDataModule
@@ -118,11 +117,7 @@ def _wrapped_error(rank: int, world: int, wrapper: str) -> str:
     else:
         module.model = FullyShardedDataParallel(module.model, device_id=torch.device("cpu"))
     trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel_mode="fsdp"), max_steps=1)
-    try:
-        trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return fit_error(trainer, module, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
 
 
 @pytest.mark.parametrize(("wrapper", "label"), [("ddp", "DistributedDataParallel"), ("fsdp1", r"FullyShardedDataParallel \(FSDP1\)")])
@@ -135,7 +130,6 @@ def test_a_module_already_wrapped_for_data_parallelism_is_refused(wrapper: str, 
 
 
 def _all_gathers_in_a_step(rank: int, world: int, microbatches: int) -> int:
-    from helpers.lightning import quiet_trainer
     from lightning.pytorch import Callback, seed_everything
     from torch.profiler import ProfilerActivity, profile
 
@@ -174,7 +168,6 @@ def test_fsdp_under_a_pipeline_gathers_parameters_once_per_step_not_per_micro_ba
 
 
 def _losses_with(rank: int, world: int, kwargs: dict[str, Any]) -> tuple[list[float], list[str]]:
-    from helpers.lightning import quiet_trainer
     from helpers.parity import RecordLoss
     from lightning.pytorch import seed_everything
 
@@ -212,7 +205,6 @@ def test_dp2_pp2_fsdp_with_two_stages_per_rank_matches_one_process(single: dict[
 
 
 def _tied_v_error(rank: int, world: int) -> str:
-    from helpers.lightning import quiet_trainer
 
     from lightning_scale.data import TextDataModule
     from lightning_scale.models import GPTLightningModule
@@ -220,11 +212,7 @@ def _tied_v_error(rank: int, world: int) -> str:
     tied = GPTConfig(n_layers=4, d_model=64, n_heads=4, block_size=32, tie_embeddings=True)
     strategy = HybridParallelStrategy(data_parallel=2, pipeline_parallel=2, schedule="zbv", microbatches=2)
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
-    try:
-        trainer.fit(GPTLightningModule(tied), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return fit_error(trainer, GPTLightningModule(tied), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
 
 
 def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parallelism() -> None:

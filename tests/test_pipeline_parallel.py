@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.distributed import run_distributed
-from helpers.lightning import quiet_trainer
+from helpers.lightning import fit_error, quiet_trainer
 from helpers.parity import RecordLoss, assert_parity, fit_gpt
 from lightning.pytorch import LightningModule, seed_everything
 
@@ -132,11 +132,7 @@ def test_predict_returns_the_last_stage_output_on_every_rank(schedule: str) -> N
 def _pipeline_error(rank: int, world: int, config: GPTConfig, kwargs: dict) -> str:
     strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, **kwargs)
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
-    try:
-        trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return fit_error(trainer, GPTLightningModule(config), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
 
 
 @pytest.mark.parametrize(
@@ -313,11 +309,7 @@ def _varying_shapes(rank: int, world: int) -> str:
     tokens = torch.randint(0, 256, (6, 17))
     # 6 samples in batches of 4: the last batch has 2 (no drop_last).
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    try:
-        trainer.fit(_MLPModule(), train_dataloaders=loader)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return fit_error(trainer, _MLPModule(), train_dataloaders=loader)
 
 
 def test_batches_of_varying_shape_are_rejected() -> None:

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from helpers.distributed import run_distributed
 from helpers.lightning import quiet_trainer
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from helpers.parity import RecordLoss
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
@@ -148,14 +149,6 @@ class PlannedLM(PlainLM):
 # ---------------------------------------------------------------- parity runs
 
 
-class _Record(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
-
-
 def _token_loader(batch_size: int) -> DataLoader:
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 256, (8 * STEPS, 17), generator=g)
@@ -166,7 +159,7 @@ def _fit(
     strategy: Any, devices: int, model: str, precision: str = "64-true", batch_per_rank: int | None = None
 ) -> dict[str, Any]:
     seed_everything(0, verbose=False)
-    record = _Record()
+    record = RecordLoss()
     trainer = quiet_trainer(
         devices=devices,
         strategy=strategy,
@@ -283,7 +276,7 @@ def _fit_with_checkpoint(rank: int, world: int, root: str, resume: str | None) -
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     seed_everything(0, verbose=False)
-    record = _Record()
+    record = RecordLoss()
     every_6 = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=6, save_top_k=-1)
     trainer = quiet_trainer(
         devices=world,

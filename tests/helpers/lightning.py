@@ -6,7 +6,7 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 
-__all__ = ["quiet_trainer"]
+__all__ = ["fit_error", "quiet_trainer"]
 
 
 def quiet_trainer(**overrides: Any) -> Trainer:
@@ -19,3 +19,12 @@ def quiet_trainer(**overrides: Any) -> Trainer:
         "enable_model_summary": False,
     }
     return Trainer(**(kwargs | overrides))
+
+
+def fit_error(trainer: Trainer, module: Any, **fit_kwargs: Any) -> str:
+    """The ``ValueError`` message ``trainer.fit`` raises, or ``"no error"``."""
+    try:
+        trainer.fit(module, **fit_kwargs)
+    except ValueError as err:
+        return str(err)
+    return "no error"
