@@ -5,7 +5,13 @@ Importing the package registers its strategies with Lightning, so ``Trainer(stra
 and ``Trainer(strategy="tensor_parallel")`` work after ``import lightning_scale``.
 """
 
-from lightning_scale import strategies as _strategies  # noqa: F401  (registers "hybrid", "tensor_parallel")
+import torch as _torch
+
+from lightning_scale._torch_version import check_torch_version as _check_torch_version
+
+_check_torch_version(str(_torch.__version__))
+
+from lightning_scale import strategies as _strategies  # noqa: E402, F401  (registers "hybrid", "tensor_parallel")
 
 __version__ = "0.1.0"
 __all__ = ["__version__"]

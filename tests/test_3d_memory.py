@@ -45,10 +45,14 @@ def _state_bytes(rank: int, world: int, mode: str) -> int:
     return holder["bytes"]
 
 
+def _state_bytes_by_mode(rank: int, world: int) -> dict[str, int]:
+    return {mode: _state_bytes(rank, world, mode) for mode in ("ddp", "fsdp")}
+
+
 @pytest.mark.slow
 def test_fsdp_holds_about_half_the_parameter_gradient_and_optimizer_bytes_of_ddp() -> None:
-    ddp = run_distributed(_state_bytes, 2, "ddp", timeout=180)
-    fsdp = run_distributed(_state_bytes, 2, "fsdp", timeout=180)
+    results = run_distributed(_state_bytes_by_mode, 2, timeout=180)
+    ddp, fsdp = [r["ddp"] for r in results], [r["fsdp"] for r in results]
     assert ddp[0] == ddp[1]  # replicas hold everything
     ratio = max(fsdp) / ddp[0]
     print(f"fsdp/ddp parameter+gradient+AdamW bytes per rank at dp=2: {ratio:.3f} ({max(fsdp)} / {ddp[0]})")
@@ -77,22 +81,22 @@ class _ProfileStep(Callback):
             self.peak = max(sum(s) for s in sizes)
 
 
-def _peak_and_losses(rank: int, world: int, mode: str, out: str) -> tuple[int, list[float]]:
-    seed_everything(0, verbose=False)
-    config = GPTConfig(n_layers=12, d_model=64, n_heads=4, block_size=128, tie_embeddings=False)
-    profile, record = _ProfileStep(Path(out)), RecordLoss()
-    strategy = HybridParallelStrategy(data_parallel=1, activation_checkpointing=mode)
-    trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=3, callbacks=[profile, record])
-    trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=128, global_batch_size=8))
-    return profile.peak, record.losses
+def _peak_and_losses(rank: int, world: int, out: str) -> dict[str, tuple[int, list[float]]]:
+    results = {}
+    for mode in ("none", "selective", "full"):
+        seed_everything(0, verbose=False)
+        config = GPTConfig(n_layers=12, d_model=64, n_heads=4, block_size=128, tie_embeddings=False)
+        profile, record = _ProfileStep(Path(out) / f"{mode}.json"), RecordLoss()
+        strategy = HybridParallelStrategy(data_parallel=1, activation_checkpointing=mode)
+        trainer = quiet_trainer(devices=1, strategy=strategy, max_steps=2, callbacks=[profile, record])
+        trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=128, global_batch_size=8))
+        results[mode] = (profile.peak, record.losses)
+    return results
 
 
 @pytest.mark.slow
 def test_full_activation_checkpointing_lowers_the_peak_memory_of_a_step_with_identical_losses(tmp_path: Path) -> None:
-    results = {
-        mode: run_distributed(_peak_and_losses, 1, mode, str(tmp_path / f"{mode}.json"), timeout=180)[0]
-        for mode in ("none", "selective", "full")
-    }
+    results = run_distributed(_peak_and_losses, 1, str(tmp_path), timeout=180)[0]
     (none_peak, none_losses), (sel_peak, _), (full_peak, full_losses) = results.values()
     print(
         f"12-block GPT, batch 8 x 128: peak memory of a training step, full/none {full_peak / none_peak:.2f}, "

@@ -13,8 +13,8 @@ from lightning_scale.core.partition import (
     bubble_fraction,
     check_pipeline_shape,
     check_schedule_microbatches,
-    stage_ranks,
     partition_by_layers,
+    stage_ranks,
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,30 @@ def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module(
     middle = prune_to_stage(copy.deepcopy(full), spec, [1, 2], is_first=False, is_last=False)
     tokens = torch.randint(0, 256, (2, 12))
     torch.testing.assert_close(last(middle(first(tokens))), full(tokens), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- block timing for partition="by_cost"
+
+
+def test_block_timing_waits_for_the_device_around_every_clock_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accelerators run kernels asynchronously: a clock read without a device sync times the launches.
+    from lightning_scale.core import block_costs
+
+    synced: list[str] = []
+    monkeypatch.setattr(block_costs, "synchronize", lambda device: synced.append(device.type))
+    model = GPT(GPTConfig(n_layers=2, d_model=16, n_heads=2, block_size=8))
+    tokens = torch.randint(0, 256, (4, 8))
+    weights, first, last = block_costs.measure_costs(model, gpt_pipeline_spec(model), (tokens, tokens), 2, repeats=2)
+    assert len(weights) == 2 and all(w > 0 for w in weights) and first > 0 and last > 0
+    pieces = 2 + 1 + 1  # each block, the first modules, the last modules with the loss
+    assert synced == ["cpu"] * (pieces * 2 * 2)  # before and after each of `repeats` timings
+
+
+def test_synchronize_uses_the_accelerator_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_scale.core.block_costs import synchronize
+
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    synchronize(torch.device("cuda", 1))
+    synchronize(torch.device("cpu"))  # nothing to wait for
+    assert calls == [("cuda", torch.device("cuda", 1))]

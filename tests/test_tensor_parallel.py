@@ -7,22 +7,22 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.distributed import run_distributed
+from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import quiet_trainer
-from helpers.parity import RecordLoss
+from helpers.parity import STEPS, RecordLoss
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_scale  # noqa: F401  (registers the strategies)
+from lightning_scale.callbacks import GradNormMonitor
 from lightning_scale.core.layout import Layout, resolve_layout
 from lightning_scale.core.tensor_parallel import local_numel, resolve_plan
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
 
-STEPS = 20
 CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, block_size=32)
 
 
@@ -166,7 +166,7 @@ def _fit(
         precision=precision,
         max_steps=STEPS,
         gradient_clip_val=0.5,
-        callbacks=[record],
+        callbacks=[GradNormMonitor(), record],
     )
     if model == "gpt":
         module: LightningModule = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3)
@@ -183,21 +183,52 @@ def _fit(
         blocks = module.net.blocks
     # Gathered on every rank (the strategy's own checkpoint path gathers to rank 0 only).
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return {"losses": record.losses, "state": state, "block_numel": local_numel(blocks)}
+    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": state, "block_numel": local_numel(blocks)}
 
 
-def _hybrid(rank: int, world: int, dp: int, tp: int, model: str, sp: bool, lp: bool, precision: str) -> dict[str, Any]:
+def _hybrid(world: int, dp: int, tp: int, model: str, sp: bool = True, lp: bool = True, precision: str = "64-true") -> dict[str, Any]:
     strategy = HybridParallelStrategy(data_parallel=dp, tensor_parallel=tp, sequence_parallel=sp, loss_parallel=lp)
     return _fit(strategy, world, model, precision)
 
 
 def _assert_parity(results: list[dict[str, Any]], reference: dict[str, Any], rtol: float = 1e-5) -> None:
     for rank, result in enumerate(results):
-        assert len(result["losses"]) == STEPS
+        assert len(result["losses"]) == len(result["grad_norms"]) == STEPS
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=rtol, atol=0)
+        torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], rtol=rtol, atol=0)
         assert result["state"].keys() == reference["state"].keys()
         for name, value in reference["state"].items():
             torch.testing.assert_close(result["state"][name], value, rtol=rtol, atol=1e-7, msg=f"rank {rank} {name}")
+
+
+def _dropin(world: int, strategy: str) -> dict[str, Any]:
+    return _fit(strategy, world, "plain_mlp", precision="32-true", batch_per_rank=4)
+
+
+# The runs of one world size share one spawn (a module fixture); each test checks its own case.
+CASES_2: dict[str, Any] = {
+    "gpt-sequence+loss_parallel": lambda w: _hybrid(w, 1, 2, "gpt"),
+    "gpt-plain": lambda w: _hybrid(w, 1, 2, "gpt", sp=False, lp=False),
+    "gpt-fp32": lambda w: _hybrid(w, 1, 2, "gpt", precision="32-true"),
+    "planned_mlp": lambda w: _hybrid(w, 1, 2, "planned_mlp"),
+    "dropin-hybrid": lambda w: _dropin(w, "hybrid"),
+    "dropin-ddp": lambda w: _dropin(w, "ddp"),
+    "apply-twice": lambda w: _apply_twice(w),
+}
+CASES_4: dict[str, Any] = {
+    "gpt-dp2-tp2": lambda w: _hybrid(w, 2, 2, "gpt"),
+    "collectives": lambda w: _collectives(w),
+}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_distributed(run_cases, 2, __name__, "CASES_2", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_distributed(run_cases, 4, __name__, "CASES_4", timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -206,52 +237,45 @@ def single_gpt() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sp", "lp"), [(True, True), (False, False)], ids=["sequence+loss_parallel", "plain"])
-def test_gpt_tp2_matches_one_process(single_gpt: dict[str, Any], sp: bool, lp: bool) -> None:
-    results = run_distributed(_hybrid, 2, 1, 2, "gpt", sp, lp, "64-true", timeout=180)
+@pytest.mark.parametrize("case", ["gpt-sequence+loss_parallel", "gpt-plain"])
+def test_gpt_tp2_matches_one_process(two: list[dict[str, Any]], single_gpt: dict[str, Any], case: str) -> None:
+    results = [r[case] for r in two]
     _assert_parity(results, single_gpt)
     # Memory: each rank holds about half of the transformer blocks' parameters (norms are replicated).
     assert results[0]["block_numel"] <= 0.55 * single_gpt["block_numel"]
 
 
 @pytest.mark.slow
-def test_gpt_dp2_tp2_matches_one_process(single_gpt: dict[str, Any]) -> None:
-    results = run_distributed(_hybrid, 4, 2, 2, "gpt", True, True, "64-true", timeout=240)
-    _assert_parity(results, single_gpt)
+def test_gpt_dp2_tp2_matches_one_process(four: list[dict[str, Any]], single_gpt: dict[str, Any]) -> None:
+    _assert_parity([r["gpt-dp2-tp2"] for r in four], single_gpt)
 
 
 @pytest.mark.slow
-def test_gpt_tp2_fp32_loss_curve_matches_one_process() -> None:
+def test_gpt_tp2_fp32_loss_curve_matches_one_process(two: list[dict[str, Any]]) -> None:
     reference = _fit("auto", 1, "gpt", precision="32-true")
-    results = run_distributed(_hybrid, 2, 1, 2, "gpt", True, True, "32-true", timeout=180)
-    for result in results:
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=0)
+    for result in two:
+        torch.testing.assert_close(result["gpt-fp32"]["losses"], reference["losses"], rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
-def test_second_architecture_tp2_matches_one_process() -> None:
+def test_second_architecture_tp2_matches_one_process(two: list[dict[str, Any]]) -> None:
     reference = _fit("auto", 1, "planned_mlp")
-    results = run_distributed(_hybrid, 2, 1, 2, "planned_mlp", True, True, "64-true", timeout=180)
+    results = [r["planned_mlp"] for r in two]
     _assert_parity(results, reference)
     assert results[0]["block_numel"] <= 0.55 * reference["block_numel"] + 2 * 32 * 2  # norms replicated
 
 
-def _dropin(rank: int, world: int, strategy: str) -> dict[str, Any]:
-    return _fit(strategy, world, "plain_mlp", precision="32-true", batch_per_rank=4)
-
-
 @pytest.mark.slow
-def test_unmodified_module_under_hybrid_matches_lightning_ddp() -> None:
-    ours = run_distributed(_dropin, 2, "hybrid", timeout=180)
-    ddp = run_distributed(_dropin, 2, "ddp", timeout=180)
-    for a, b in zip(ours, ddp, strict=True):
+def test_unmodified_module_under_hybrid_matches_lightning_ddp(two: list[dict[str, Any]]) -> None:
+    for result in two:
+        a, b = result["dropin-hybrid"], result["dropin-ddp"]
         assert len(a["losses"]) == STEPS
         torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-6, atol=0)
         for name, value in b["state"].items():
             torch.testing.assert_close(a["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _apply_twice(rank: int, world: int) -> str:
+def _apply_twice(world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_scale.core.tensor_parallel import apply_tensor_parallel
@@ -265,8 +289,8 @@ def _apply_twice(rank: int, world: int) -> str:
     return str(info.value)
 
 
-def test_a_plan_on_modules_that_already_hold_dtensors_is_rejected() -> None:
-    assert all("already holds DTensor" in m for m in run_distributed(_apply_twice, 2, timeout=60))
+def test_a_plan_on_modules_that_already_hold_dtensors_is_rejected(two: list[dict[str, Any]]) -> None:
+    assert all("already holds DTensor" in r["apply-twice"] for r in two)
 
 
 # ---------------------------------------------------------------- checkpoints at tp=2
@@ -277,14 +301,14 @@ def _fit_with_checkpoint(rank: int, world: int, root: str, resume: str | None) -
 
     seed_everything(0, verbose=False)
     record = RecordLoss()
-    every_6 = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=6, save_top_k=-1)
+    every_3 = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=3, save_top_k=-1)
     trainer = quiet_trainer(
         devices=world,
         strategy=HybridParallelStrategy(tensor_parallel=world),
         precision="64-true",
-        max_steps=10,
+        max_steps=6,
         gradient_clip_val=0.5,
-        callbacks=[record, every_6],
+        callbacks=[record, every_3],
         enable_checkpointing=True,
     )
     module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=3)
@@ -294,22 +318,27 @@ def _fit_with_checkpoint(rank: int, world: int, root: str, resume: str | None) -
     return {"losses": record.losses, "state": state}
 
 
+def _straight_then_resumed(rank: int, world: int, root: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    straight = _fit_with_checkpoint(rank, world, root, None)
+    return straight, _fit_with_checkpoint(rank, world, root, f"{root}/step=3.ckpt")
+
+
 @pytest.mark.slow
 def test_checkpoint_saved_at_tp2_loads_at_tp1_and_resumes_at_tp2(tmp_path) -> None:
     root = str(tmp_path)
-    straight = run_distributed(_fit_with_checkpoint, 2, root, None, timeout=180)[0]
+    straight, resumed = run_distributed(_straight_then_resumed, 2, root, timeout=180)[0]
     # Full tensors under the original names: the plain (tp=1) model loads it as it is.
     reloaded = GPTLightningModule.load_from_checkpoint(f"{root}/final-straight.ckpt", map_location="cpu")
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, straight["state"][name].to(value.dtype)), name  # loaded as fp32
-    resumed = run_distributed(_fit_with_checkpoint, 2, root, f"{root}/step=6.ckpt", timeout=180)[0]
-    # Weights, optimizer and scheduler state and the data position restored: steps 7-10 are the same.
-    torch.testing.assert_close(resumed["losses"], straight["losses"][6:], rtol=1e-9, atol=0)
+    # Weights, optimizer and scheduler state and the data position restored: steps 4-6 are the same.
+    torch.testing.assert_close(resumed["losses"], straight["losses"][3:], rtol=1e-9, atol=0)
     for name, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def _collectives(rank: int, world: int) -> dict[str, Any]:
+def _collectives(world: int) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
     strategy = HybridParallelStrategy(data_parallel=2, tensor_parallel=2)
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
     trainer.strategy._lightning_module = PlainLM()  # setup_environment hands the mesh to the module
@@ -326,9 +355,8 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_collectives_and_data_parallel_coordinates_on_a_2x2_mesh() -> None:
-    results = run_distributed(_collectives, 4, timeout=120)
-    for rank, r in enumerate(results):
+def test_collectives_and_data_parallel_coordinates_on_a_2x2_mesh(four: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(result["collectives"] for result in four):
         assert r["mean"] == 1.5 and r["sum"] == 6.0
         assert r["broadcast"] == {"from": 1}
         assert r["gathered"] == [0.0, 1.0, 2.0, 3.0]

@@ -44,6 +44,7 @@ __all__ = [
     "check_not_wrapped",
     "compile_blocks",
     "register_compression",
+    "wrap_ddp",
 ]
 
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
@@ -200,3 +201,35 @@ def register_compression(
     )
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return state
+
+
+def wrap_ddp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    backend: str | None,
+    compression: str = "none",
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
+    **ddp_kwargs: Any,
+) -> nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel`` over the 1-D data-parallel ``mesh`` with gradient ``compression``.
+
+    ``ddp_kwargs`` go to DDP (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
+    ``gradient_as_bucket_view``, ...).
+    """
+    if compression == "powersgd" and backend == "gloo":
+        # PowerSGD's hook starts its second all-reduce from the first one's future callback; on gloo
+        # that races with the next bucket's all-reduce and the ranks' collectives mismatch
+        # ("Received data size doesn't match expected size"). One bucket avoids it.
+        if "bucket_cap_mb" in ddp_kwargs:
+            raise ValueError(
+                f"bucket_cap_mb={ddp_kwargs['bucket_cap_mb']!r} cannot be combined with gradient_compression="
+                "'powersgd' on the gloo backend, which needs all gradients in one bucket. Remove bucket_cap_mb."
+            )
+        ddp_kwargs["bucket_cap_mb"] = 2**20
+    ddp = nn.parallel.DistributedDataParallel(module, device_mesh=mesh, **ddp_kwargs)
+    register_compression(
+        ddp, compression, mesh.get_group(), powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter
+    )
+    return ddp

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from lightning_scale.core.checks import divisors
 
-__all__ = ["MESH_DIMS", "Layout", "check_size", "resolve_layout"]
+__all__ = ["MESH_DIMS", "Layout", "check_size", "init_layout_mesh", "resolve_layout"]
 
 MESH_DIMS = ("dp", "pp", "tp")
 """Mesh dimension names, outermost first. ``tp`` is innermost so that on a GPU node the ranks of
@@ -92,3 +94,20 @@ def resolve_layout(
             f"{world_size}, e.g. data_parallel='auto' to fill it, or start {layout.world_size} processes."
         )
     return layout
+
+
+def init_layout_mesh(device_type: str, layout: Layout, hsdp: tuple[int, int] | None = None) -> DeviceMesh:
+    """The ``(dp, pp, tp)`` device mesh of ``layout`` over all processes (a collective).
+
+    ``hsdp=(replicate, shard)``: the data-parallel dimension is two, ``("dp_replicate", "dp_shard")``,
+    for HSDP, and flattened back into ``"dp"`` (the sampler's and the loss's replicas).
+    """
+    if hsdp is None:
+        return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    replicate, shard = hsdp
+    if replicate * shard != layout.dp:
+        raise ValueError(f"hsdp {replicate} x {shard} does not make data_parallel={layout.dp}")
+    names = ("dp_replicate", "dp_shard", *MESH_DIMS[1:])
+    mesh = init_device_mesh(device_type, (replicate, shard, layout.pp, layout.tp), mesh_dim_names=names)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh

@@ -101,6 +101,11 @@ class GPTLightningModule(LightningModule):
         return loss
 
     @override
+    def predict_step(self, batch: Batch | torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The logits for a batch's tokens (``tokens`` or ``(tokens, ...)``)."""
+        return self(batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+    @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         decay, no_decay = [], []

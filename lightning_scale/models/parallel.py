@@ -3,6 +3,8 @@ API any model uses."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -11,9 +13,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-
-import torch
-import torch.nn.functional as F
 
 from lightning_scale.core.checks import divisors
 from lightning_scale.core.pipeline import PipelineSpec, register_pipeline_spec

@@ -3,18 +3,62 @@ process starts, a bad value raises ``ValueError`` naming the value, the rule and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from lightning_scale.core.checks import format_choices
 from lightning_scale.core.data_parallel import ACTIVATION_CHECKPOINTING, COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.layout import Layout, check_size
 from lightning_scale.core.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 
-__all__ = ["PARTITIONS", "ParallelOptions"]
+__all__ = ["LOSS_STAGES", "PARTITIONS", "ParallelOptions", "loss_names"]
 
 PARTITIONS = ("by_layers", "by_params", "by_cost")
+LOSS_STAGES = ("train", "val", "test")
 Size = int | Literal["auto"]
+
+_NON_STRUCTURAL = frozenset(
+    {
+        # What a module already cut for one set of options may be set up again with: the pipeline
+        # schedule is rebuilt for a new micro-batch count, plain DDP is wrapped anew every time.
+        "microbatches",
+        "loss_name",
+        "gradient_compression",
+        "powersgd_rank",
+        "powersgd_start_iter",
+        "find_unused_parameters",
+        "static_graph",
+        "bucket_cap_mb",
+        "gradient_as_bucket_view",
+    }
+)
+_DDP_DEFAULTS = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None, "gradient_as_bucket_view": False}
+
+
+def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
+    """The name the pipeline's loss is logged under for each of ``train``, ``val`` and ``test``.
+
+    ``loss_name`` is a template with ``{stage}`` (``"{stage}/loss"``, ``"{stage}_loss"``) or a
+    mapping from some of those stages to names (the others keep ``"{stage}/loss"``).
+    """
+    if isinstance(loss_name, str):
+        if "{stage}" not in loss_name:
+            raise ValueError(
+                f"loss_name={loss_name!r} would log the training, validation and test losses under one name. Use a "
+                "template with {stage} (e.g. '{stage}_loss' gives train_loss, val_loss, test_loss) or a mapping "
+                f"such as {{'val': {loss_name!r}}}."
+            )
+        return {stage: loss_name.format(stage=stage) for stage in LOSS_STAGES}
+    if isinstance(loss_name, Mapping):
+        unknown = sorted(set(loss_name) - set(LOSS_STAGES))
+        if unknown or not all(isinstance(v, str) and v for v in loss_name.values()):
+            raise ValueError(
+                f"loss_name={dict(loss_name)!r}: keys must be among {format_choices(LOSS_STAGES)} and values non-empty "
+                f"names{f' (unknown: {unknown})' if unknown else ''}."
+            )
+        return {stage: str(loss_name.get(stage, f"{stage}/loss")) for stage in LOSS_STAGES}
+    raise TypeError(f"loss_name must be a string template or a mapping, got {type(loss_name).__name__}")
 
 
 def _positive_int(name: str, value: object, hint: str = "") -> None:
@@ -42,8 +86,30 @@ class ParallelOptions:
     gradient_compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
+    loss_name: Any = "{stage}/loss"
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The options, in the order of the strategy's arguments."""
+        return [f.name for f in fields(cls) if f.init]
 
     def __post_init__(self) -> None:
+        for name in ("sequence_parallel", "loss_parallel", "compile"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if isinstance(self.loss_name, Mapping):
+            object.__setattr__(self, "loss_name", dict(self.loss_name))
+        object.__setattr__(self, "_loss_names", loss_names(self.loss_name))
+        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ValueError(f"bucket_cap_mb={cap!r} must be a positive number of megabytes (or None for DDP's 25).")
         for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "hsdp_replicate", "hsdp_shard"):
             check_size(name, getattr(self, name))
         mode = self.data_parallel_mode
@@ -113,8 +179,40 @@ class ParallelOptions:
             )
         return int(replicate), int(shard)
 
+    @property
+    def loss_names(self) -> dict[str, str]:
+        """``{"train": ..., "val": ..., "test": ...}``: where the pipeline's loss is logged."""
+        return dict(self._loss_names)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel`` (the options left at their defaults omitted)."""
+        return {k: getattr(self, k) for k, default in _DDP_DEFAULTS.items() if getattr(self, k) != default}
+
+    def structural_differences(self, other: ParallelOptions) -> list[str]:
+        """Options that decide how a module is cut and wrapped, and differ between ``self`` and ``other``."""
+        return [
+            f"{f.name}={getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if f.init and f.name not in _NON_STRUCTURAL and getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+    @staticmethod
+    def plain_ddp(layout: Layout, mode: str) -> bool:
+        """Whether the data-parallel axis is torch's ``DistributedDataParallel`` around the whole module."""
+        return layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and mode == "ddp"
+
     def check_layout(self, layout: Layout) -> None:
         """Checks that need the resolved sizes (``"auto"`` filled in)."""
+        ddp = self.ddp_kwargs()
+        fsdp2 = layout.tp > 1 or layout.pp > 1 or (layout.dp > 1 and self.data_parallel_mode != "ddp")
+        if ddp and fsdp2:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in ddp.items())} configure DistributedDataParallel, which this "
+                f"run does not use: {layout} with data_parallel_mode={self.data_parallel_mode!r} runs FSDP2 "
+                "(replicate/fully_shard), which needs no such settings (it handles unused parameters and buckets "
+                "itself). Remove them, or use plain data parallelism "
+                "(tensor_parallel=1, pipeline_parallel=1, data_parallel_mode='ddp')."
+            )
         if self.gradient_compression != "none" and (layout.tp > 1 or layout.pp > 1):
             raise ValueError(
                 f"gradient_compression={self.gradient_compression!r} applies to plain data parallelism; {layout} "

@@ -25,9 +25,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
 from lightning_scale.core.layout import Layout
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
+from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
 from lightning_scale.strategies._options import ParallelOptions
-from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, PipelineRunner
+from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, pipeline_spec_of
 
 __all__ = ["TENSOR_PARALLEL_PLAN_HOOK", "parallelize", "tensor_parallel_plan"]
 
@@ -81,7 +82,8 @@ def parallelize(
 ) -> PipelineRunner | None:
     """Apply pipeline, tensor, activation-checkpointing, compile and FSDP2 data parallelism in place.
 
-    Returns the pipeline runner when ``layout.pp > 1``.
+    Returns the pipeline runner when ``layout.pp > 1`` (its schedule is built by the caller).
+    ``example_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
     """
     found = _blocks_spec(module)
     needs_blocks = options.activation_checkpointing != "none" or options.compile
@@ -96,8 +98,10 @@ def parallelize(
     plan = resolve_plan(module, tensor_parallel_plan(module)) if layout.tp > 1 else {}
     runner = None
     if layout.pp > 1:
+        root_name, spec = pipeline_spec_of(module)
         runner = PipelineRunner(
-            module,
+            module.get_submodule(root_name) if root_name else module,
+            spec,
             mesh,
             schedule=options.schedule,
             microbatches=options.microbatches or 2 * layout.pp,
@@ -106,6 +110,7 @@ def parallelize(
             device=device,
             example_batch=example_batch() if options.partition == "by_cost" else None,
         )
+        rank_zero_info(runner.describe())
     if plan:
         kept = {n for n, _ in module.named_modules()}
         apply_tensor_parallel(module, mesh["tp"], {n: s for n, s in plan.items() if n in kept})
@@ -126,8 +131,7 @@ def parallelize(
     if options.compile:
         compile_blocks(blocks)
 
-    plain_ddp = layout.tp == 1 and layout.pp == 1 and options.data_parallel_mode == "ddp"
-    if layout.dp > 1 and not plain_ddp:
+    if layout.dp > 1 and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):
         if runner is not None:
             roots = runner.stage_modules()
         else:
@@ -141,6 +145,4 @@ def parallelize(
             roots += [c for c in module.children() if _has_params(c) and c is not root]
         dp_mesh = mesh["dp_replicate", "dp_shard"] if options.data_parallel_mode == "hsdp" else mesh["dp"]
         apply_data_parallel(options.data_parallel_mode, dp_mesh, blocks, roots, pipelined=runner is not None)
-    if runner is not None:
-        runner.build()
     return runner

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -11,11 +11,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -23,29 +21,39 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import loss_parallel
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_scale.core.data_parallel import check_not_wrapped, register_compression
+from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
 from lightning_scale.core.grad_norm import clip_grad_norm_, total_grad_norm
-from lightning_scale.core.layout import MESH_DIMS, Layout, resolve_layout
-from lightning_scale.strategies._checkpoint import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
+from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
+from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
+from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
-from lightning_scale.strategies._pipeline import PipelineRunner
+from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch
+from lightning_scale.strategies._steps import ParallelSteps
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
-_PARALLELIZED = "_lightning_scale_layout"  # set on a LightningModule once its parameters are parallelised
+_STATE = "_lightning_scale_parallel"
+"""Attribute of a LightningModule that the strategy cut and wrapped: a :class:`_ParallelState`."""
 
-class HybridParallelStrategy(ParallelStrategy):
+
+@dataclass(frozen=True)
+class _ParallelState:
+    """What a module was parallelised for, kept on the module so that the next Trainer (``fit`` with one,
+    ``test`` with another) adopts the same mesh and pipeline instead of cutting it again."""
+
+    layout: Layout
+    options: ParallelOptions
+    mesh: DeviceMesh
+    pipeline: PipelineRunner | None
+
+
+class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
     One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (for ``hsdp``
@@ -85,6 +93,16 @@ class HybridParallelStrategy(ParallelStrategy):
         gradient_compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"`` (rank
             ``powersgd_rank``, after ``powersgd_start_iter`` uncompressed steps): DDP communication
             hooks, for ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism.
+        loss_name: where the pipeline's loss is logged (``pipeline_parallel > 1``, where the module's
+            step methods are not called): a template with ``{stage}`` (``"{stage}_loss"``) or a mapping
+            from ``"train"``/``"val"``/``"test"`` to names; default ``train/loss``, ``val/loss``, ``test/loss``.
+        find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view: passed to
+            ``DistributedDataParallel`` (plain data parallelism only; FSDP2 needs none of them).
+
+    Gradient accumulation (``Trainer(accumulate_grad_batches=k)``) reduces gradients over ``dp``
+    once per optimizer step, on the window's last micro-step, in every mode: DDP's ``no_sync``,
+    FSDP2's ``set_requires_gradient_sync(False)`` (which keeps the window's gradients unsharded
+    until then), and the same inside pipeline schedules.
     """
 
     strategy_name = "hybrid"
@@ -110,6 +128,11 @@ class HybridParallelStrategy(ParallelStrategy):
         gradient_compression: str = "none",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 10,
+        loss_name: str | Mapping[str, str] = "{stage}/loss",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,28 +148,10 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.options = ParallelOptions(
-            data_parallel=data_parallel,
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            data_parallel_mode=data_parallel_mode,
-            hsdp_replicate=hsdp_replicate,
-            hsdp_shard=hsdp_shard,
-            schedule=schedule,
-            microbatches=microbatches,
-            virtual_stages=virtual_stages,
-            partition=partition,
-            sequence_parallel=bool(sequence_parallel),
-            loss_parallel=bool(loss_parallel),
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_every=activation_checkpointing_every,
-            compile=bool(compile),
-            gradient_compression=gradient_compression,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
-        )
+        given = locals()
+        self.options = ParallelOptions(**{name: given[name] for name in ParallelOptions.names()})
         self._pipeline: PipelineRunner | None = None
-        self._pipeline_batch: Any = None
+        self._stashed_grads: list[tuple[Tensor, Tensor | None]] = []
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._layout: Layout | None = None
@@ -229,26 +234,33 @@ class HybridParallelStrategy(ParallelStrategy):
             pipeline_parallel=o.pipeline_parallel,
         )
         o.check_layout(layout)
-        if self._device_mesh is None or layout != self._layout:
-            # Once per layout: `trainer.validate` then `trainer.fit` reuse the mesh (and its groups)
-            # that the module's DTensors already live on.
+        module = self.lightning_module
+        assert module is not None
+        if layout.pp > 1:
+            check_pipeline_module(module, layout.pp, o.loss_names)
+        state: _ParallelState | None = getattr(module, _STATE, None)
+        if state is not None:
+            differences = [] if state.layout == layout else [f"layout {state.layout} vs {layout}"]
+            differences += state.options.structural_differences(o)
+            if differences:
+                raise ValueError(
+                    f"{type(module).__name__} was already cut and wrapped for {state.layout} by an earlier Trainer "
+                    f"and cannot be set up again with other settings ({'; '.join(differences)}). Build a new module, "
+                    "or load its checkpoint into one (LightningModule.load_from_checkpoint), for another layout."
+                )
+            # Another Trainer after the one that cut the module: its DTensors and stages live on that mesh.
+            self._layout, self._device_mesh = state.layout, state.mesh
+        elif self._device_mesh is None or layout != self._layout:
+            # Once per layout: `trainer.validate` then `trainer.fit` reuse the mesh (and its groups).
             self._layout = layout
-            device_type = self.root_device.type
-            if o.data_parallel_mode == "hsdp":
-                # dp split into (replicate, shard) for HSDP, and flattened back into "dp" for the sampler.
-                replicate, shard = o.hsdp_split(layout.dp, self.num_nodes)
-                names = ("dp_replicate", "dp_shard", *MESH_DIMS[1:])
-                mesh = init_device_mesh(device_type, (replicate, shard, layout.pp, layout.tp), mesh_dim_names=names)
-                mesh["dp_replicate", "dp_shard"]._flatten("dp")
-                detail = f" (hsdp: replicate {replicate} x shard {shard})"
-            else:
-                mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
-                detail = f" ({o.data_parallel_mode})" if layout.dp > 1 else ""
-            self._device_mesh = mesh
+            hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
+            self._device_mesh = init_layout_mesh(self.root_device.type, layout, hsdp)
+            detail = f" ({o.data_parallel_mode})" if layout.dp > 1 else ""
+            if hsdp is not None:
+                detail = f" (hsdp: replicate {hsdp[0]} x shard {hsdp[1]})"
             rank_zero_info(f"HybridParallelStrategy: {layout}{detail} on {self.world_size} processes")
-        assert self.lightning_module is not None
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
-        self.lightning_module._device_mesh = self._device_mesh
+        module._device_mesh = self._device_mesh
 
     def _setup_distributed(self) -> None:
         self.set_world_ranks()
@@ -302,191 +314,71 @@ class HybridParallelStrategy(ParallelStrategy):
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
         activation checkpointing, ``torch.compile``, data parallel.
 
-        A module set up before (``trainer.validate`` then ``trainer.fit``) is parallelised once;
-        only the DDP wrapper, which Lightning's own strategies also rebuild, is made again.
+        A module set up before (``trainer.validate`` then ``trainer.fit``, or another Trainer at the
+        same layout) is parallelised once; the pipeline's schedule and the DDP wrapper, which
+        Lightning's own strategies also rebuild, are made again.
         """
-        done = getattr(module, _PARALLELIZED, None)
-        if done is not None and done != self.layout:
-            raise ValueError(
-                f"{type(module).__name__} was parallelised for {done} and cannot be set up again for {self.layout}; "
-                "build a new module (or load its checkpoint) for another layout."
-            )
-        if done is None:
+        o, layout = self.options, self.layout
+        state: _ParallelState | None = getattr(module, _STATE, None)
+        if state is None:
             check_not_wrapped(module)
-            setattr(module, _PARALLELIZED, self.layout)
             self._pipeline = parallelize(
                 module,
-                self.options,
-                self.layout,
+                o,
+                layout,
                 self.device_mesh,
                 device=self.root_device,
-                tensor_parallel_plan=lambda m: tensor_parallel_plan(m, self.layout.tp, self.options),
+                tensor_parallel_plan=lambda m: tensor_parallel_plan(m, layout.tp, o),
                 example_batch=self._example_batch,
             )
-        if self.layout.dp > 1 and self.layout.tp == 1 and self.layout.pp == 1 and self.options.data_parallel_mode == "ddp":
+            untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
+            if not (untouched and o.activation_checkpointing == "none" and not o.compile):
+                setattr(module, _STATE, _ParallelState(layout, o, self.device_mesh, self._pipeline))
+        else:
+            self._pipeline = state.pipeline
+        if self._pipeline is not None:
+            # Fresh stages and schedules for this Trainer call: its micro-batch count and batch shape.
+            self._pipeline.build(o.microbatches or 2 * layout.pp)
+        if ParallelOptions.plain_ddp(layout, o.data_parallel_mode):
             # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the base
             # strategy redirects training_step through the wrapper so its hooks run.
-            kwargs: dict[str, Any] = {}
-            if self.options.gradient_compression == "powersgd" and self.process_group_backend == "gloo":
-                # PowerSGD's hook starts its second all-reduce from the first one's future callback;
-                # on gloo that races with the next bucket's all-reduce and the ranks' collectives
-                # mismatch ("Received data size doesn't match expected size"). One bucket avoids it.
-                kwargs["bucket_cap_mb"] = 2**20
-            ddp = nn.parallel.DistributedDataParallel(module, device_mesh=self.device_mesh["dp"], **kwargs)
-            register_compression(
-                ddp,
-                self.options.gradient_compression,
-                self.device_mesh["dp"].get_group(),
-                powersgd_rank=self.options.powersgd_rank,
-                powersgd_start_iter=self.options.powersgd_start_iter,
+            self.model = wrap_ddp(
+                module,
+                self.device_mesh["dp"],
+                backend=self.process_group_backend,
+                compression=o.gradient_compression,
+                powersgd_rank=o.powersgd_rank,
+                powersgd_start_iter=o.powersgd_start_iter,
+                **o.ddp_kwargs(),
             )
-            self.model = ddp
 
-    def _example_batch(self) -> Any:
-        """One training batch from the datamodule (its setup hook has run), for timing blocks."""
-        trainer = self.lightning_module.trainer
-        if trainer.datamodule is None:
-            return None
-        batch = next(iter(trainer.datamodule.train_dataloader()))
-        return self.batch_to_device(batch)
+    def _example_batch(self) -> tuple[Any, Any] | None:
+        """``(inputs, target)`` of one batch of this Trainer call's data, on the device, for timing blocks."""
+        module = self.lightning_module
+        batch = example_batch(module.trainer)
+        if batch is None:
+            raise ValueError(
+                "partition='by_cost' times every block on a real batch at set-up, but this Trainer call has no "
+                "data yet (no datamodule or dataloaders). Pass the data to fit/validate/test/predict, or use "
+                "partition='by_params'."
+            )
+        batch = self.batch_to_device(self.precision_plugin.convert_input(batch))
+        predicting = module.trainer.state.fn == TrainerFn.PREDICTING
+        return pipeline_batch(module, batch, predicting=predicting)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------ steps
-
-    def _loss_context(self) -> contextlib.AbstractContextManager[None]:
-        if self.options.loss_parallel and self.layout.tp > 1:
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            # Lightning zeroes gradients between training_step and backward: the schedule (forward
-            # and backward together) runs in `backward`. The module's training_step is not called.
-            self._pipeline_batch = args[0]
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        with self._loss_context():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline_eval(args[0], "val/loss")
-        with self._loss_context():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline_eval(args[0], "test/loss")
-        with self._loss_context():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            # The model's output for the batch's inputs (its predict_step would need the whole model).
-            return self._pipeline.predict_step(args[0])
-        return super().predict_step(*args, **kwargs)
-
-    def _pipeline_eval(self, batch: Any, name: str) -> Tensor:
-        assert self._pipeline is not None
-        with self._loss_context():
-            loss = self._pipeline.eval_step(batch)
-        # Already the mean over replicas, on every rank (the pipeline's one collective).
-        self.lightning_module.log(name, loss, prog_bar=True)
-        return loss
-
-    @override
-    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            assert self.lightning_module is not None
-            with self._loss_context():
-                loss = self._pipeline.train_step(
-                    self._pipeline_batch, self.lightning_module.trainer.accumulate_grad_batches
-                )
-            self._pipeline_batch = None
-            # Every rank logs the last stage's loss, already averaged over replicas by the pipeline.
-            self.lightning_module.log("train/loss", loss, prog_bar=True)
-            return closure_loss
-        # loss_parallel's cross entropy must also be differentiated inside the context.
-        with self._loss_context():
-            return super().backward(closure_loss, *args, **kwargs)
-
-    # ------------------------------------------------------------------ collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        # Over the world: tensor- and pipeline-parallel ranks of a replica log equal values,
-        # so the world mean is the data-parallel mean. Unlike Lightning's helper, no barrier
-        # before the all-reduce (the all-reduce synchronises already).
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        group = _group.WORLD if group is None else group
-        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if isinstance(reduce_op, str) and not mean:
-            op = getattr(torch.distributed.ReduceOp, reduce_op.upper())
-        else:
-            op = torch.distributed.ReduceOp.SUM if mean or reduce_op is None else reduce_op
-        torch.distributed.all_reduce(tensor, op=op, group=group)
-        if mean:
-            size = torch.distributed.get_world_size(group)
-            return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
-        return tensor
-
-    # ------------------------------------------------------------------ checkpoints
-    # Full (gathered) tensors under the original names, so a checkpoint loads at any layout.
-
-    def _pp_group(self) -> Any:
-        return self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        return full_model_state(self.lightning_module, self._pp_group())
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict, partial=self.layout.pp > 1)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return full_optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), self._pp_group())
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            load_full_optimizer_state(
-                self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state, partial=self.layout.pp > 1
-            )
-
     @override
     def teardown(self) -> None:
+        # Not the base class's: it would move the sharded model to the CPU after every Trainer call.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self.checkpoint_io.teardown()  # joins an AsyncCheckpointIO and raises what its saves raised
 
     @classmethod
     @override

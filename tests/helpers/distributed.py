@@ -17,6 +17,7 @@ Process groups are always destroyed, processes always reaped.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "run_cases", "run_distributed"]
 
 _GRACE_AFTER_ERROR_S = 5.0
 
@@ -170,3 +171,14 @@ def _collect_stacks(procs: list[Any], stack_files: list[str]) -> dict[int, str]:
         except OSError:
             stacks[rank] = "(no stack file)"
     return stacks
+
+
+def run_cases(rank: int, world_size: int, module: str, table: str) -> dict[str, Any]:
+    """For :func:`run_distributed`: run every case of the table ``{name: fn(world_size)}`` named
+    ``table`` in test module ``module`` (by name: lambdas do not pickle), in one spawn.
+
+    Several runs of one world size in one spawn pay for one process start-up; a test module keeps
+    the result in a fixture and each test checks its own case.
+    """
+    cases = getattr(importlib.import_module(module), table)
+    return {name: run(world_size) for name, run in cases.items()}

@@ -1,9 +1,9 @@
-"""Full state dicts of a parallelised model and its optimizer, for Lightning's checkpoint path.
+"""Full state dicts of a parallelised model and its optimizer.
 
 Every tensor is gathered whole (DTensor shards over tensor parallelism, and every pipeline stage's
 parameters) under the original parameter names, so a checkpoint saved at one layout loads at any
-other. Collectives: every rank must call these. The sharded, resharding checkpoint format is a
-separate plugin; this is what ``Trainer.save_checkpoint``/``ckpt_path`` use with the strategy.
+other. Collectives: every rank must call these. ``HybridParallelStrategy`` uses them for
+Lightning's checkpoint path (``Trainer.save_checkpoint``/``ckpt_path``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""Timing a model's pipeline pieces (each block, the modules before and after them) for ``by_cost``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_scale.core.pipeline import PipelineSpec
+
+__all__ = ["measure_costs", "synchronize"]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: accelerators run kernels asynchronously, so a wall
+    clock read without this times the kernel launches, not the kernels. A no-op on CPU."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    else:
+        torch.accelerator.synchronize(device)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def measure_costs(
+    root: nn.Module, spec: PipelineSpec, batch: tuple[Any, Any], microbatches: int, repeats: int = 2
+) -> tuple[list[float], float, float]:
+    """Seconds of forward + backward of each block, of the ``first`` modules and of the ``last``
+    modules with the loss, on one micro-batch of ``batch`` (the fastest of ``repeats`` runs).
+
+    One forward of the whole model records every module's inputs; each piece is then replayed on
+    its own with fresh leaf inputs, so its backward is timed without the rest of the graph. The
+    device is synchronised before every clock read.
+    """
+    inputs, target = batch
+    inputs = inputs[: max(inputs.size(0) // microbatches, 1)]
+    if isinstance(target, torch.Tensor):
+        target = target[: max(target.size(0) // microbatches, 1)]
+    device = _device_of(root)
+    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
+    handles = []
+    for name in [*spec.blocks, *spec.first, *spec.last]:
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            captured[name] = (args, kwargs, output)
+
+        handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            root(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_(True)
+        return x
+
+    def timed(names: Sequence[str], with_loss: bool = False) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            total: torch.Tensor | None = None
+            for name in names:
+                args, kwargs, _ = captured[name]
+                out = root.get_submodule(name)(*[leaf(a) for a in args], **kwargs)
+                if with_loss and name == names[-1] and spec.loss_fn is not None and target is not None:
+                    out = spec.loss_fn(out, target)
+                piece = out.float().sum() if isinstance(out, torch.Tensor) else None
+                if piece is not None:
+                    total = piece if total is None else total + piece
+            if total is not None and total.requires_grad:
+                total.backward()
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        root.zero_grad(set_to_none=True)
+        return best
+
+    weights = [timed([b]) for b in spec.blocks]
+    first = timed(list(spec.first)) if spec.first else 0.0
+    last = timed(list(spec.last), with_loss=True) if spec.last else 0.0
+    return weights, first, last

@@ -1,0 +1,294 @@
+"""This rank's pipeline stages of a model, and the steps that run them (no Lightning here).
+
+The model is pruned in place to the union of the rank's stages, so its state dict and optimizer
+hold exactly the parameters this rank trains, under their original names. With several stages per
+rank (interleaved and V-shaped schedules) each stage runs through a
+:func:`~lightning_scale.core.pipeline.stage_view` of that module.
+
+Loss scaling is the caller's: torch's ``scale_grads`` would divide by the micro-batch count only,
+turning gradient accumulation into an average, so each micro-batch loss is multiplied by the
+``scale`` passed to :meth:`PipelineRunner.train_step` (``1 / (microbatches * accumulation)``) and
+the schedules run with ``scale_grads=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_scale.core.block_costs import measure_costs
+from lightning_scale.core.modules import tied_parameter_groups
+from lightning_scale.core.partition import (
+    V_SHAPED,
+    Partition,
+    balanced_partition,
+    bubble_fraction,
+    check_schedule_microbatches,
+    check_stage_blocks,
+    partition_by_layers,
+    stage_ranks,
+)
+from lightning_scale.core.pipeline import PipelineSpec, prune_to_stage, stage_view
+from lightning_scale.core.pipeline_schedules import build_schedule, forward_only_schedule, make_stages
+from lightning_scale.core.pipeline_ties import TiedCopies, check_ties_for_data_parallel
+
+__all__ = ["PipelineRunner"]
+
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _as_args(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+class PipelineRunner:
+    """This rank's pipeline stages (one, or several for interleaved and V-shaped schedules).
+
+    Args:
+        root: the module whose ``forward`` runs a stage; pruned in place.
+        spec: where ``root`` may be cut, and the loss.
+        mesh: the device mesh; its ``"pp"`` dimension is the pipeline, ``"dp"`` the replicas.
+        schedule, microbatches, virtual_stages: torch's schedule, by name (``core.partition.SCHEDULES``).
+        partition: ``by_layers``, ``by_params`` or ``by_cost`` (needs ``example_batch``).
+        example_batch: ``(inputs, target)`` to time blocks on for ``by_cost``.
+
+    Call :meth:`build` once the other parallelisms are applied (and again to change the
+    micro-batch count or start a new shape).
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        spec: PipelineSpec,
+        mesh: DeviceMesh,
+        *,
+        schedule: str,
+        microbatches: int,
+        partition: str,
+        device: torch.device,
+        virtual_stages: int = 2,
+        example_batch: tuple[Inputs, Any] | None = None,
+    ) -> None:
+        if spec.loss_fn is None:
+            raise ValueError("The pipeline spec has no loss_fn; the last stage needs one to compute the loss.")
+        self.mesh, self.pp_mesh = mesh, mesh["pp"]
+        self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self.pp_size, self.pp_rank = self.pp_mesh.size(), self.pp_mesh.get_local_rank()
+        self._per_rank = check_stage_blocks(
+            num_blocks=len(spec.blocks), pipeline_parallel=self.pp_size, schedule=schedule, virtual_stages=virtual_stages
+        )
+        check_schedule_microbatches(schedule, self.pp_size, microbatches)
+        self.num_stages = self.pp_size * self._per_rank
+        if partition == "by_cost" and example_batch is None:
+            raise ValueError("partition='by_cost' times every block on a real batch, but no example batch was given.")
+        self.partition_kind = partition
+        self.partition = self._partition(root, spec, partition, example_batch)
+        ranks = stage_ranks(schedule, self.pp_size, self.num_stages)
+        self.local_stages = [s for s in range(self.num_stages) if ranks[s] == self.pp_rank]
+        self.is_first = 0 in self.local_stages
+        self.is_last = self.num_stages - 1 in self.local_stages
+        self._last_global_rank = int(self.pp_mesh.mesh[ranks[-1]])
+        self._replicas = mesh["dp"].size()
+
+        tied = tied_parameter_groups(root)
+        if self._replicas > 1:
+            check_ties_for_data_parallel(tied, lambda name: self._stage_of(spec, name), ranks, schedule)
+        keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))
+        prune_to_stage(root, spec, keep, is_first=self.is_first, is_last=self.is_last)
+        self._ties = TiedCopies(root, tied, mesh, device)
+        self._loss_fn = spec.loss_fn
+        self._scale = 1.0
+        self._predicting = False
+        self._root, self._spec = root, spec
+        self._modules: list[nn.Module] | None = None
+        self._shape: tuple[tuple[int, ...], ...] | None = None  # fixed by the first batch after `build`
+        self.sync_grads = True
+        """False on accumulation micro-steps: no data-parallel reduction, no tied-copy sum."""
+        self.schedule: Any = None
+        self._eval_schedule: Any = None
+
+    def describe(self) -> str:
+        """One line for the start-up log: stages, partition, costs and the predicted bubble."""
+        by_cost = self.partition_kind == "by_cost"
+        costs = [round(c, 4 if by_cost else 1) for c in self.partition.costs]
+        bubble = bubble_fraction(self.schedule_name, self.pp_size, self.microbatches, self._per_rank)
+        return (
+            f"Pipeline: {self.num_stages} stages on {self.pp_size} ranks ({self._per_rank} per rank), partition "
+            f"{self.partition_kind}, blocks per stage {[len(self.partition.blocks(s)) for s in range(self.num_stages)]}, "
+            f"stage costs {costs}{' s' if by_cost else ''}, predicted bubble {bubble:.1%} ({self.schedule_name}, "
+            f"{self.microbatches} micro-batches)"
+        )
+
+    @property
+    def root(self) -> nn.Module:
+        """The module that holds all of this rank's blocks (pruned in place)."""
+        return self._root
+
+    def block_modules(self) -> list[nn.Module]:
+        """This rank's blocks, in order."""
+        return [self._root.get_submodule(self._spec.blocks[b]) for s in self.local_stages for b in self.partition.blocks(s)]
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The module each local stage runs: the pruned root itself, or one view per stage."""
+        if self._modules is None:
+            root, spec = self._root, self._spec
+            if len(self.local_stages) == 1:
+                self._modules = [root]
+            else:
+                self._modules = [
+                    stage_view(root, spec, self.partition.blocks(s), is_first=s == 0, is_last=s == self.num_stages - 1)
+                    for s in self.local_stages
+                ]
+        return self._modules
+
+    def build(self, microbatches: int | None = None) -> None:
+        """Create the stages and schedules (again: a new micro-batch count, or batches of a new shape)."""
+        if microbatches is not None:
+            check_schedule_microbatches(self.schedule_name, self.pp_size, microbatches)
+            self.microbatches = microbatches
+        modules, group = self.stage_modules(), self.pp_mesh.get_group()
+
+        def stages() -> list[Any]:
+            return make_stages(modules, self.local_stages, self.num_stages, self.device, group, lambda: self.sync_grads)
+
+        self.schedule = build_schedule(self.schedule_name, stages(), self.microbatches, self._scaled_loss)
+        eval_stages = stages() if self.schedule_name in V_SHAPED else []  # the V's eval needs stages of its own
+        self._eval_schedule = forward_only_schedule(
+            self.schedule_name, eval_stages, self.microbatches, self._scaled_loss, self.schedule
+        )
+        self._shape = None
+
+    def _stage_of(self, spec: PipelineSpec, param_name: str) -> int | None:
+        """The stage whose modules hold ``param_name`` (None: outside every declared module)."""
+
+        def owner(module: str) -> bool:
+            return param_name.startswith(module + ".")
+
+        if any(owner(m) for m in spec.first):
+            return 0
+        if any(owner(m) for m in spec.last):
+            return self.num_stages - 1
+        for b, block in enumerate(spec.blocks):
+            if owner(block):
+                return next(s for s in range(self.num_stages) if b in self.partition.blocks(s))
+        return None
+
+    def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str, example_batch: Any) -> Partition:
+        if kind == "by_cost":
+            inputs, target = example_batch
+            if isinstance(inputs, tuple):
+                raise ValueError("partition='by_cost' times blocks on a single inputs tensor; use 'by_params'.")
+            weights, first, last = measure_costs(root, spec, (inputs, target), self.microbatches)
+            # Timings differ a little between ranks; every rank must cut the same way.
+            costs = torch.tensor([*weights, first, last], dtype=torch.float64, device=self.device)
+            dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.pp_mesh.get_group())
+            *weights, first, last = costs.tolist()
+            return balanced_partition(weights, self.num_stages, first, last)
+
+        def params(names: Any) -> float:
+            return float(sum(p.numel() for n in names for p in root.get_submodule(n).parameters()))
+
+        weights = [params([b]) for b in spec.blocks]
+        first, last = params(spec.first), params(spec.last)
+        if kind == "by_layers":
+            return partition_by_layers(len(weights), self.num_stages, weights, first, last)
+        return balanced_partition(weights, self.num_stages, first, last)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._predicting:
+            return output.new_zeros(())
+        return self._loss_fn(output, target) * self._scale
+
+    def _check_shape(self, inputs: Inputs) -> None:
+        args = _as_args(inputs)
+        if not args or not all(isinstance(a, torch.Tensor) for a in args):
+            raise TypeError(
+                f"Pipeline inputs must be a tensor or a tuple of tensors (split into micro-batches on dim 0), got "
+                f"{type(inputs).__name__}."
+            )
+        shape = tuple(tuple(a.shape) for a in args)
+        if self._shape is None:
+            self._shape = shape
+        elif shape != self._shape:
+            first = self._shape[0] if len(self._shape) == 1 else self._shape
+            now = shape[0] if len(shape) == 1 else shape
+            raise ValueError(
+                f"Pipeline schedules need fixed-shape batches: the first batch had inputs of shape {first}, "
+                f"this one {now}. Use fixed-length sequences and drop_last=True (TextDataModule does)."
+            )
+        size = args[0].size(0)
+        if size % self.microbatches:
+            raise ValueError(
+                f"microbatches={self.microbatches} does not divide the per-replica batch of {size} samples; "
+                "pipeline schedules need equal micro-batches. Choose microbatches dividing the batch size."
+            )
+
+    def _run(self, inputs: Inputs, target: Any, scale: float, train: bool) -> torch.Tensor:
+        self._check_shape(inputs)
+        self._scale = scale
+        args = _as_args(inputs) if self.is_first else ()
+        losses: list[torch.Tensor] = []  # one scaled loss per micro-batch, filled on the last stage
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        if train:
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            self._eval_schedule.eval(*args, **kwargs)
+        # Only the last stage knows the loss; every rank gets the true value, averaged over the
+        # data-parallel replicas: one collective per step. float64 on every rank: the collective
+        # must have the same size everywhere, whatever the model's precision.
+        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        if self.is_last:
+            loss = (torch.stack([_local(l.detach()) for l in losses]).mean() / scale).to(torch.float64)
+        if self._replicas == 1:
+            dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        else:
+            # Every rank of the last stage (each data-parallel replica, each tensor shard) holds its
+            # replica's loss; the others contribute zero.
+            dist.all_reduce(loss)
+            loss /= self._replicas * self.mesh["tp"].size()
+        return loss
+
+    def train_step(self, inputs: Inputs, target: Any, scale: float) -> torch.Tensor:
+        """Forward and backward of one batch; returns its mean (unscaled) loss on every rank.
+
+        Each micro-batch loss is multiplied by ``scale`` before its backward. With ``sync_grads``
+        (the last micro-step of an accumulation window) the tied copies' gradients are summed.
+        """
+        loss = self._run(inputs, target, scale, train=True)
+        if self.sync_grads:
+            self._ties.all_reduce_grads()
+        return loss
+
+    def excluded_from_norm(self) -> set[int]:
+        """ids of tied copies that another stage already counts in the global gradient norm."""
+        return self._ties.excluded_from_norm()
+
+    def eval_step(self, inputs: Inputs, target: Any) -> torch.Tensor:
+        """Forward only; the batch's mean loss on every rank."""
+        return self._run(inputs, target, 1.0, train=False)
+
+    def predict_step(self, inputs: Inputs) -> Any:
+        """The last stage's output for ``inputs``, returned on every rank."""
+        self._check_shape(inputs)
+        args = _as_args(inputs)
+        # The schedule computes a loss on the last stage whenever it has a loss function; while
+        # predicting that loss is a placeholder (the inputs stand in for the absent target).
+        self._predicting = True
+        try:
+            output = self._eval_schedule.eval(*(args if self.is_first else ()), **({"target": args[0]} if self.is_last else {}))
+        finally:
+            self._predicting = False
+        if isinstance(output, DTensor):
+            output = output.full_tensor()
+        box = [output.cpu() if self.is_last else None]
+        dist.broadcast_object_list(box, src=self._last_global_rank, group=self.pp_mesh.get_group())
+        return box[0].to(args[0].device)

@@ -1,0 +1,204 @@
+"""Lightning's semantics under pipeline parallelism: loss names that callbacks monitor, dict batches,
+and set-up checks. (Parity, the real loss in ``outputs`` and tied weights with gradient accumulation:
+``test_pipeline_parallel.py``.)"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from helpers.lightning import fit_error, quiet_trainer
+from helpers.parity import RecordLoss
+from lightning.pytorch import Callback, LightningModule, seed_everything
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_scale  # noqa: F401
+from lightning_scale.core.pipeline import PipelineSpec
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.strategies import HybridParallelStrategy
+
+TIED = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
+
+
+# ---------------------------------------------------------------- dict batches, through the pipeline_batch hook
+
+
+class _DictTokens(Dataset):
+    def __init__(self, n: int = 32, length: int = 16) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 64, (n, length + 1), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleDict({str(i): torch.nn.Linear(16, 16) for i in range(2)})
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = x + torch.tanh(block(x))
+        return self.out(x) if self.out is not None else x
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class _DictModule(LightningModule):
+    """Batches are dicts; ``pipeline_batch`` says which entries are the inputs and the target."""
+
+    def __init__(self, with_hook: bool = True) -> None:
+        super().__init__()
+        self.net = _Stack()
+        if not with_hook:
+            self.pipeline_batch = None  # type: ignore[assignment]
+
+    def pipeline_spec(self) -> tuple[str, PipelineSpec]:
+        return "net", PipelineSpec(blocks=["blocks.0", "blocks.1"], first=["embed"], last=["out"], loss_fn=_loss)
+
+    def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["input_ids"], batch["labels"]
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = _loss(self.net(batch["input_ids"]), batch["labels"])
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_dict(strategy: Any, devices: int) -> list[float]:
+    seed_everything(0, verbose=False)
+    record = RecordLoss()
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, precision="64-true", max_steps=4, callbacks=[record], use_distributed_sampler=False
+    )
+    trainer.fit(_DictModule(), DataLoader(_DictTokens(), batch_size=4))
+    return record.losses
+
+
+def _dict_pipeline(rank: int, world: int) -> tuple[list[float], str]:
+    losses = _fit_dict(HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2), world)
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    try:
+        trainer.fit(_DictModule(with_hook=False), DataLoader(_DictTokens(), batch_size=4))
+        error = "no error"
+    except TypeError as err:
+        error = str(err)
+    return losses, error
+
+
+@pytest.mark.slow
+def test_dict_batches_train_at_pp2_through_the_hook_and_without_it_the_error_names_it() -> None:
+    reference = _fit_dict("auto", 1)
+    for losses, error in run_distributed(_dict_pipeline, 2, timeout=180):
+        torch.testing.assert_close(losses, reference, rtol=1e-9, atol=0)
+        assert re.search(r"this batch is a dict with keys \['input_ids', 'labels'\], not \(inputs, target\)", error), error
+        assert "Define `pipeline_batch(self, batch) -> (inputs, target)` on _DictModule" in error, error
+
+
+# ---------------------------------------------------------------- set-up checks
+
+
+class _Manual(_DictModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _setup_messages(rank: int, world: int) -> tuple[str, list[str]]:
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
+    manual = fit_error(quiet_trainer(devices=world, strategy=strategy, max_steps=1), _Manual(), train_dataloaders=DataLoader(_DictTokens(), batch_size=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
+        quiet_trainer(devices=world, strategy=strategy, max_steps=1).fit(_DictModule(), DataLoader(_DictTokens(), batch_size=4))
+    return manual, [str(w.message) for w in caught if "not called" in str(w.message)]
+
+
+def test_manual_optimisation_is_refused_and_bypassed_step_methods_are_named_once() -> None:
+    results = run_distributed(_setup_messages, 2, timeout=120)
+    for manual, _ in results:
+        assert re.search(r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run", manual), manual
+    warned = results[0][1]  # rank 0 warns
+    assert len(warned) == 1, warned
+    assert "_DictModule's training_step is not called (each needs the whole model)" in warned[0]
+    assert "logs it as 'train/loss', 'val/loss', 'test/loss'" in warned[0]
+
+
+# ---------------------------------------------------------------- loss names that callbacks monitor
+
+
+def _monitored(rank: int, world: int, out: str) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    seed_everything(0, verbose=False)
+    names = {"train": "train_loss", "val": "my_loss"}
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, loss_name=names)
+    checkpoint = ModelCheckpoint(dirpath=f"{out}/ckpt", monitor="my_loss", save_top_k=1, filename="best")
+    record, val = RecordLoss("train_loss"), []
+
+    class _Val(Callback):
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            val.append(float(trainer.callback_metrics["my_loss"]))
+
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=strategy,
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(out),
+        enable_checkpointing=True,
+        callbacks=[checkpoint, EarlyStopping(monitor="my_loss", patience=5), LearningRateMonitor("step"), record, _Val()],
+    )
+    trainer.fit(GPTLightningModule(TIED, warmup_steps=2), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    return {
+        "best": float(checkpoint.best_model_score),
+        "path": checkpoint.best_model_path,
+        "val": val,
+        "train": record.losses,
+        "keys": sorted(trainer.callback_metrics),
+    }
+
+
+@pytest.mark.slow
+def test_modelcheckpoint_and_early_stopping_monitor_the_pipeline_loss_under_its_chosen_name(tmp_path: Any) -> None:
+    for result in run_distributed(_monitored, 2, str(tmp_path), timeout=180):
+        assert len(result["val"]) == 2 and len(result["train"]) == 4
+        assert result["best"] == pytest.approx(min(result["val"]))
+        assert result["path"].endswith("best.ckpt")
+        assert "my_loss" in result["keys"] and "train_loss" in result["keys"], result["keys"]
+        assert "train/loss" not in result["keys"] and "val/loss" not in result["keys"]
+    assert (tmp_path / "ckpt" / "best.ckpt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("loss_name", "match"),
+    [
+        ("my_loss", r"loss_name='my_loss' would log the training, validation and test losses under one name.*'\{stage\}_loss'"),
+        ({"valid": "x"}, r"keys must be among 'test', 'train', 'val'.*unknown: \['valid'\]"),
+    ],
+)
+def test_a_loss_name_that_cannot_work_is_refused_when_the_strategy_is_built(loss_name: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HybridParallelStrategy(pipeline_parallel=2, loss_name=loss_name)
