@@ -132,9 +132,9 @@ def test_planned_data_parallel_size(overrides: list[str], expected: int) -> None
     assert planned_data_parallel_size(_cfg(*overrides)) == expected
 
 
-def _short_run(tmp_path: Path, *overrides: str, steps: int = 10) -> subprocess.CompletedProcess[str]:
-    """``steps`` steps on 2 processes, no checkpoints or loggers, into tmp_path/run."""
-    fixed = [f"trainer.max_steps={steps}", "trainer.limit_val_batches=2", "callbacks=none", "logger=none"]
+def _short_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """10 steps on 2 processes, no checkpoints or loggers, into tmp_path/run."""
+    fixed = ["trainer.max_steps=10", "trainer.limit_val_batches=2", "callbacks=none", "logger=none"]
     return _train(*overrides, *fixed, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
 
 
@@ -149,18 +149,20 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pipeline_strategy_with_a_cost_balanced_partition_from_the_command_line(tmp_path: Path) -> None:
-    # The CLI validates before it fits: the blocks are timed on a validation batch (the datamodule has
-    # no training split yet), and the cut made then serves the fit.
-    proc = _short_run(
-        tmp_path, "strategy=pipeline", "strategy.partition=by_cost", "strategy.microbatches=8", steps=3
+    # The command as a user types it. The CLI validates before it fits: the blocks are timed on a
+    # validation batch (the datamodule has no training split yet), and the cut made then serves the fit.
+    proc = _train(
+        "strategy=pipeline", "strategy.partition=by_cost", "trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "HybridParallelStrategy: dp=1 x pp=2 x tp=1 on 2 processes" in out
     assert re.search(
         r"Pipeline: 2 stages on 2 ranks \(1 per rank\), partition by_cost, blocks per stage \[\d, \d\], stage costs "
-        r"\[[\d.]+, [\d.]+\] s, predicted bubble 11.1% \(1f1b, 8 micro-batches\)",
+        r"\[[\d.]+, [\d.]+\] s, predicted bubble 33.3% \(1f1b, 4 micro-batches\)",
         out,
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 3 and summary["final_val_loss"] < summary["initial_val_loss"] + 0.05
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()

@@ -197,6 +197,7 @@ def test_modelcheckpoint_and_early_stopping_monitor_the_pipeline_loss_under_its_
     [
         ("my_loss", r"loss_name='my_loss' would log the training, validation and test losses under one name.*'\{stage\}_loss'"),
         ({"valid": "x"}, r"keys must be among 'test', 'train', 'val'.*unknown: \['valid'\]"),
+        ("{stage}/{metric}", r"loss_name='\{stage\}/\{metric\}' is not a template with only \{stage\} in braces"),
     ],
 )
 def test_a_loss_name_that_cannot_work_is_refused_when_the_strategy_is_built(loss_name: Any, match: str) -> None:

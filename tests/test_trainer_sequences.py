@@ -98,3 +98,13 @@ def test_fit_then_validate_test_predict_with_new_trainers_at_dp2_tp2(single: dic
     dp2_tp2, dp2_pp2 = {"data_parallel": 2, "tensor_parallel": 2}, {"data_parallel": 2, "pipeline_parallel": 2}
     results = run_distributed(_run, 4, dp2_tp2, dp2_pp2, str(tmp_path / "dp2tp2.ckpt"), timeout=420)
     _check(results, single, dp=2, layout="dp=2 x pp=1 x tp=2")
+
+
+def test_only_settings_that_decide_the_cut_must_match_for_a_module_to_be_set_up_again() -> None:
+    from lightning_scale.strategies._options import ParallelOptions
+
+    first = ParallelOptions(data_parallel=2, pipeline_parallel=2, microbatches=4, loss_name="{stage}_loss")
+    # Sizes compare as resolved layouts; micro-batches and loss names may change between Trainers.
+    assert first.structural_differences(ParallelOptions(data_parallel="auto", pipeline_parallel=2, microbatches=8)) == []
+    other = ParallelOptions(data_parallel=2, pipeline_parallel=2, schedule="gpipe", activation_checkpointing="full")
+    assert first.structural_differences(other) == ["schedule='1f1b' vs 'gpipe'", "activation_checkpointing='none' vs 'full'"]

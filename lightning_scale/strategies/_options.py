@@ -20,6 +20,12 @@ Size = int | Literal["auto"]
 
 _NON_STRUCTURAL = frozenset(
     {
+        # Sizes: compared once resolved ("auto" filled in), as the layout and the hsdp split.
+        "data_parallel",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "hsdp_replicate",
+        "hsdp_shard",
         # What a module already cut for one set of options may be set up again with: the pipeline
         # schedule is rebuilt for a new micro-batch count, plain DDP is wrapped anew every time.
         "microbatches",
@@ -49,7 +55,12 @@ def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
                 "template with {stage} (e.g. '{stage}_loss' gives train_loss, val_loss, test_loss) or a mapping "
                 f"such as {{'val': {loss_name!r}}}."
             )
-        return {stage: loss_name.format(stage=stage) for stage in LOSS_STAGES}
+        try:
+            return {stage: loss_name.format(stage=stage) for stage in LOSS_STAGES}
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"loss_name={loss_name!r} is not a template with only {{stage}} in braces ({err!r}); e.g. '{{stage}}_loss'."
+            ) from None
     if isinstance(loss_name, Mapping):
         unknown = sorted(set(loss_name) - set(LOSS_STAGES))
         if unknown or not all(isinstance(v, str) and v for v in loss_name.values()):
@@ -189,7 +200,8 @@ class ParallelOptions:
         return {k: getattr(self, k) for k, default in _DDP_DEFAULTS.items() if getattr(self, k) != default}
 
     def structural_differences(self, other: ParallelOptions) -> list[str]:
-        """Options that decide how a module is cut and wrapped, and differ between ``self`` and ``other``."""
+        """Options that decide how a module is cut and wrapped, and differ between ``self`` and ``other``
+        (sizes aside: compare the resolved layouts)."""
         return [
             f"{f.name}={getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in fields(self)

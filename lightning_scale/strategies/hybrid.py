@@ -48,6 +48,7 @@ class _ParallelState:
     ``test`` with another) adopts the same mesh and pipeline instead of cutting it again."""
 
     layout: Layout
+    hsdp: tuple[int, int] | None
     options: ParallelOptions
     mesh: DeviceMesh
     pipeline: PipelineRunner | None
@@ -238,9 +239,12 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         assert module is not None
         if layout.pp > 1:
             check_pipeline_module(module, layout.pp, o.loss_names)
+        hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
         state: _ParallelState | None = getattr(module, _STATE, None)
         if state is not None:
             differences = [] if state.layout == layout else [f"layout {state.layout} vs {layout}"]
+            if state.hsdp != hsdp:
+                differences.append(f"hsdp (replicate, shard) {state.hsdp} vs {hsdp}")
             differences += state.options.structural_differences(o)
             if differences:
                 raise ValueError(
@@ -253,7 +257,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         elif self._device_mesh is None or layout != self._layout:
             # Once per layout: `trainer.validate` then `trainer.fit` reuse the mesh (and its groups).
             self._layout = layout
-            hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
             self._device_mesh = init_layout_mesh(self.root_device.type, layout, hsdp)
             detail = f" ({o.data_parallel_mode})" if layout.dp > 1 else ""
             if hsdp is not None:
@@ -333,7 +336,8 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             )
             untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
-                setattr(module, _STATE, _ParallelState(layout, o, self.device_mesh, self._pipeline))
+                hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
+                setattr(module, _STATE, _ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline))
         else:
             self._pipeline = state.pipeline
         if self._pipeline is not None:
