@@ -60,19 +60,23 @@ def _check(results: list[dict[str, Any]], reference: dict[str, Any], mode: str) 
         for step in result["counts"]:
             # One reduction per FSDP unit per optimizer step (twice as many if every micro-step reduced).
             assert step[REDUCE] == result["groups"], (step, result["groups"])
-            if mode == "fsdp":
+            if mode in ("fsdp", "hsdp"):  # sharded: one reduce-scatter per unit (hsdp all-reduces it after)
                 assert step[REDUCE_SCATTER] == result["groups"], (step, result["groups"])
 
 
 @pytest.mark.slow
-def test_fsdp_dp2_reduces_once_per_optimizer_step(single: dict[str, Any]) -> None:
-    (per_rank,) = zip(*run_distributed(_accumulate, 2, [{"data_parallel": 2, "data_parallel_mode": "fsdp"}], timeout=240))
-    _check(list(per_rank), single, "fsdp")
+def test_fsdp_modes_at_dp2_reduce_once_per_optimizer_step(single: dict[str, Any]) -> None:
+    layouts = [{"data_parallel": 2, "data_parallel_mode": mode} for mode in ("fsdp", "fsdp_grad_op")]
+    fsdp, grad_op = zip(*run_distributed(_accumulate, 2, layouts, timeout=240))
+    _check(list(fsdp), single, "fsdp")
+    _check(list(grad_op), single, "fsdp")
 
 
 @pytest.mark.slow
-def test_fsdp_and_replicate_under_a_pipeline_reduce_once_per_optimizer_step(single: dict[str, Any]) -> None:
-    layouts = [{"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": mode} for mode in ("fsdp", "ddp")]
-    fsdp, replicate = zip(*run_distributed(_accumulate, 4, layouts, timeout=420))
+def test_fsdp_and_replicate_under_a_pipeline_and_hsdp_reduce_once_per_optimizer_step(single: dict[str, Any]) -> None:
+    layouts: list[dict[str, Any]] = [{"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": m} for m in ("fsdp", "ddp")]
+    layouts.append({"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 2, "hsdp_shard": 2})
+    fsdp, replicate, hsdp = zip(*run_distributed(_accumulate, 4, layouts, timeout=420))
     _check(list(fsdp), single, "fsdp")
-    _check(list(replicate), single, "ddp")
+    _check(list(replicate), single, "ddp")  # FSDP2's replicate (with a pipeline): all-reduces
+    _check(list(hsdp), single, "hsdp")
