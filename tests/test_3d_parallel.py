@@ -6,12 +6,14 @@ The runs of one world size share one spawn (a module fixture); each test checks 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
 import torch
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import fit_error, quiet_trainer
+from helpers.models import BlockStack, StackModule
 from helpers.parity import RecordLoss, assert_parity, fit_gpt, single_process
 from helpers.profiling import CountEvents
 from lightning.pytorch import LightningModule, seed_everything
@@ -41,6 +43,29 @@ def _tied_v_error(world: int) -> str:
     return fit_error(trainer, GPTLightningModule(TIED), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
 
 
+class _UnevenBlock(torch.nn.Module):
+    """Slow (50 ms) on one block, fast elsewhere; which block is slow depends on the data-parallel replica."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        replica = torch.distributed.get_rank() // 2  # (dp, pp, tp) = (2, 2, 1): ranks 0-1, then 2-3
+        time.sleep(0.05 if self.index == (0 if replica == 0 else 3) else 0.002)
+        return self.linear(x)
+
+
+def _by_cost_cut(world: int) -> tuple[tuple[int, int], ...]:
+    """The by_cost cut at dp=2 x pp=2 when the replicas time their blocks differently."""
+    strategy = HybridParallelStrategy(data_parallel=2, pipeline_parallel=2, microbatches=2, partition="by_cost")
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
+    uneven = StackModule(BlockStack([_UnevenBlock(i) for i in range(4)], dim=16))
+    trainer.fit(uneven, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+    return trainer.strategy._pipeline.partition.ranges
+
+
 def _hybrid(world: int, **kwargs: Any) -> dict[str, Any]:
     return fit_gpt(HybridParallelStrategy(microbatches=2, **kwargs), world, CONFIG)
 
@@ -56,6 +81,7 @@ CASES_4: dict[str, Any] = {
     "gathers-m2": lambda w: _gathers_per_step(w, 2),
     "gathers-m8": lambda w: _gathers_per_step(w, 8),
     "tied-v": _tied_v_error,
+    "by-cost": _by_cost_cut,
 }
 
 
@@ -105,6 +131,14 @@ def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parall
         assert "one weight shared by two pipeline stages of one rank" in message and "tie_embeddings=False" in message, message
 
 
+@pytest.mark.slow
+def test_by_cost_cuts_every_replica_the_same_way(four: list[dict[str, Any]]) -> None:
+    # Replica 0 measures block 0 slow, replica 1 block 3: each alone would cut elsewhere, and the
+    # replicas' stages would hold different blocks. The costs are combined over the whole mesh.
+    cuts = [r["by-cost"] for r in four]
+    assert all(cut == ((0, 2), (2, 4)) for cut in cuts), cuts
+
+
 # ---------------------------------------------------------------- bad input, before training
 
 
@@ -139,7 +173,8 @@ def test_a_ddp_flag_that_is_not_a_bool_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "layout", "match"),
     [
-        ({"find_unused_parameters": True}, (1, 2, 1), r"find_unused_parameters=True configure DistributedDataParallel, which this run does not use: dp=1 x pp=2 x tp=1"),
+        ({"find_unused_parameters": True}, (1, 2, 1), r"find_unused_parameters=True configure DistributedDataParallel, which this run does not use: dp=1 x pp=2 x tp=1 has no data parallelism"),
+        ({"gradient_as_bucket_view": True}, (2, 1, 2), r"gradient_as_bucket_view=True configure .*dp=2 x pp=1 x tp=2 with data_parallel_mode='ddp' runs FSDP2"),
         ({"static_graph": True, "data_parallel_mode": "fsdp"}, (2, 1, 1), r"static_graph=True configure DistributedDataParallel.*data_parallel_mode='fsdp' runs FSDP2"),
     ],
 )  # fmt: skip

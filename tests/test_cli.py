@@ -164,5 +164,5 @@ def test_pipeline_strategy_with_a_cost_balanced_partition_from_the_command_line(
         out,
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["global_step"] == 3 and summary["final_val_loss"] < summary["initial_val_loss"] + 0.05
+    assert summary["global_step"] == 3 and summary["final_val_loss"] < summary["initial_val_loss"] - 0.5  # 5.5 -> 4.3
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from helpers.distributed import run_distributed
-from helpers.parity import assert_parity, fit_gpt
+from helpers.parity import assert_parity, fit_gpt, single_process
 from helpers.profiling import CountEvents
 from lightning.pytorch import Callback
 from torch.distributed.fsdp import FSDPModule
@@ -18,6 +18,7 @@ from lightning_scale.models import GPTConfig
 from lightning_scale.strategies import HybridParallelStrategy
 
 CONFIG = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=False)
+TIED = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
 STEPS, ACCUMULATE = 4, 2
 REDUCE, REDUCE_SCATTER = "FSDP::post_backward_reduce", "c10d::_reduce_scatter_base_"
 
@@ -41,8 +42,9 @@ def _accumulate(rank: int, world: int, layouts: list[dict[str, Any]]) -> list[di
     results = []
     for kwargs in layouts:
         count, groups = CountEvents([REDUCE, REDUCE_SCATTER]), _Groups()
+        config = TIED if kwargs.pop("tied", False) else CONFIG
         strategy = HybridParallelStrategy(microbatches=2, **kwargs)
-        result = fit_gpt(strategy, world, CONFIG, steps=STEPS, accumulate=ACCUMULATE, callbacks=[count, groups])
+        result = fit_gpt(strategy, world, config, steps=STEPS, accumulate=ACCUMULATE, callbacks=[count, groups])
         result["counts"], result["groups"] = count.counts, groups.groups
         results.append(result)
     return results
@@ -50,7 +52,7 @@ def _accumulate(rank: int, world: int, layouts: list[dict[str, Any]]) -> list[di
 
 @pytest.fixture(scope="module")
 def single() -> dict[str, Any]:
-    return fit_gpt("auto", 1, CONFIG, steps=STEPS, accumulate=ACCUMULATE)
+    return single_process(CONFIG, steps=STEPS, accumulate=ACCUMULATE)
 
 
 def _check(results: list[dict[str, Any]], reference: dict[str, Any], mode: str) -> None:
@@ -76,7 +78,10 @@ def test_fsdp_modes_at_dp2_reduce_once_per_optimizer_step(single: dict[str, Any]
 def test_fsdp_and_replicate_under_a_pipeline_and_hsdp_reduce_once_per_optimizer_step(single: dict[str, Any]) -> None:
     layouts: list[dict[str, Any]] = [{"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": m} for m in ("fsdp", "ddp")]
     layouts.append({"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 2, "hsdp_shard": 2})
-    fsdp, replicate, hsdp = zip(*run_distributed(_accumulate, 4, layouts, timeout=420))
+    # The embedding and head tied across the stages: sharded copies, summed over the stages once a window.
+    layouts.append({"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": "fsdp", "tied": True})
+    fsdp, replicate, hsdp, tied = zip(*run_distributed(_accumulate, 4, layouts, timeout=420))
     _check(list(fsdp), single, "fsdp")
     _check(list(replicate), single, "ddp")  # FSDP2's replicate (with a pipeline): all-reduces
     _check(list(hsdp), single, "hsdp")
+    _check(list(tied), single_process(TIED, steps=STEPS, accumulate=ACCUMULATE), "fsdp")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import fit_error, quiet_trainer
+from helpers.models import BlockStack, StackModule
 from helpers.parity import STEPS, RecordLoss, assert_parity, fit_gpt, single_process
 from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
@@ -201,7 +202,6 @@ def test_unknown_partition_lists_the_valid_ones() -> None:
 
 
 def test_a_model_that_declares_no_blocks_is_rejected() -> None:
-    from lightning.pytorch import LightningModule
 
     from lightning_scale.strategies._pipeline import pipeline_spec_of
 
@@ -248,59 +248,13 @@ def test_checkpoints_move_between_pp2_and_pp1(tmp_path) -> None:
 # ---------------------------------------------------------------- a second architecture, through the public hook
 
 
-class _MLPStack(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(256, 32)
-        self.blocks = torch.nn.ModuleDict(
-            {str(i): torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for i in range(4)}
-        )
-        self.out = torch.nn.Linear(32, 256)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = x + block(x)
-        return self.out(x) if self.out is not None else x
-
-
-def _mlp_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
-
-
-class _MLPModule(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _MLPStack()
-
-    def pipeline_spec(self) -> tuple[str, Any]:
-        from lightning_scale.core.pipeline import PipelineSpec
-
-        blocks = [f"blocks.{k}" for k in self.net.blocks]
-        return "net", PipelineSpec(blocks=blocks, first=["embed"], last=["out"], loss_fn=_mlp_loss)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = _mlp_loss(self.net(batch[0]), batch[1])
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = _mlp_loss(self.net(batch[0]), batch[1])
-        self.log("val/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
-
-
 def _fit_mlp(strategy: Any, devices: int) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
         devices=devices, strategy=strategy, precision="64-true", max_steps=STEPS, gradient_clip_val=0.5, callbacks=[record]
     )
-    module = _MLPModule()
+    module = StackModule()
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
     state = trainer.strategy.lightning_module_state_dict() if devices > 1 else module.state_dict()
     return {"losses": record.losses, "state": {k: v.detach().clone() for k, v in state.items()}}
@@ -312,7 +266,7 @@ def _varying_shapes(world: int) -> str:
     tokens = torch.randint(0, 256, (6, 17))
     # 6 samples in batches of 4: the last batch has 2 (no drop_last).
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    return fit_error(trainer, _MLPModule(), train_dataloaders=loader)
+    return fit_error(trainer, StackModule(), train_dataloaders=loader)
 
 
 # ---------------------------------------------------------------- by_cost: blocks with known costs
@@ -329,18 +283,7 @@ class _SlowBlock(torch.nn.Module):
         return x + self.linear(x)
 
 
-class _SlowStack(_MLPStack):
-    COSTS = (0.06, 0.01, 0.01, 0.01)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleDict({str(i): _SlowBlock(c) for i, c in enumerate(self.COSTS)})
-
-
-class _SlowModule(_MLPModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _SlowStack()
+SLOW_COSTS = (0.06, 0.01, 0.01, 0.01)
 
 
 def _partition_ranges(rank: int, world: int) -> dict[str, tuple[Any, ...]]:
@@ -348,7 +291,8 @@ def _partition_ranges(rank: int, world: int) -> dict[str, tuple[Any, ...]]:
     for partition in ("by_cost", "by_layers"):
         strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, partition=partition)
         trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
-        trainer.fit(_SlowModule(), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+        slow = StackModule(BlockStack([_SlowBlock(c) for c in SLOW_COSTS]))
+        trainer.fit(slow, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
         part = trainer.strategy._pipeline.partition
         ranges[partition] = (part.ranges, part.costs)
     return ranges
@@ -362,5 +306,5 @@ def test_by_cost_puts_the_slow_block_alone_and_beats_by_layers() -> None:
     measured_slowest = max(by_cost[0][1])
     assert 0.055 < measured_slowest < 0.12  # the 0.06 s block (plus small first/last costs)
     # by_layers' stages under the same known costs: 0.07 vs 0.02 s; by_cost's: 0.06 vs 0.03 s.
-    known = _SlowStack.COSTS
+    known = SLOW_COSTS
     assert max(sum(known[a:b]) for a, b in by_cost[0][0]) < max(sum(known[a:b]) for a, b in by_layers[0][0])

@@ -123,21 +123,38 @@ class _Manual(_DictModule):
         self.automatic_optimization = False
 
 
-def _setup_messages(rank: int, world: int) -> tuple[str, list[str]]:
-    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
-    manual = fit_error(quiet_trainer(devices=world, strategy=strategy, max_steps=1), _Manual(), train_dataloaders=DataLoader(_DictTokens(), batch_size=4))
+def _pp(world: int) -> HybridParallelStrategy:
+    return HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
+
+
+def _setup_messages(rank: int, world: int) -> dict[str, Any]:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    data = DataLoader(_DictTokens(), batch_size=4)
+    manual = fit_error(quiet_trainer(devices=world, strategy=_pp(world), max_steps=1), _Manual(), train_dataloaders=data)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2)
-        quiet_trainer(devices=world, strategy=strategy, max_steps=1).fit(_DictModule(), DataLoader(_DictTokens(), batch_size=4))
-    return manual, [str(w.message) for w in caught if "not called" in str(w.message)]
+        quiet_trainer(devices=world, strategy=_pp(world), max_steps=1).fit(_DictModule(), data)
+    # "16-mixed" on CPU silently becomes bf16; a plugin instance keeps its GradScaler.
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    scaled = fit_error(quiet_trainer(devices=world, strategy=_pp(world), max_steps=1, plugins=[fp16]), _DictModule(), train_dataloaders=data)
+    # bf16-mixed applies inside the schedule: a block's linear computes in bfloat16 on every stage.
+    dtypes: list[torch.dtype] = []
+    module = _DictModule()
+    for block in module.net.blocks.values():
+        block.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+    quiet_trainer(devices=world, strategy=_pp(world), max_steps=1, precision="bf16-mixed").fit(module, data)
+    warned = [str(w.message) for w in caught if "not called" in str(w.message)]
+    return {"manual": manual, "warned": warned, "fp16": scaled, "bf16": sorted(set(map(str, dtypes)))}
 
 
-def test_manual_optimisation_is_refused_and_bypassed_step_methods_are_named_once() -> None:
-    results = run_distributed(_setup_messages, 2, timeout=120)
-    for manual, _ in results:
-        assert re.search(r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run", manual), manual
-    warned = results[0][1]  # rank 0 warns
+def test_set_up_refuses_manual_optimisation_and_fp16_loss_scaling_and_names_bypassed_methods_once() -> None:
+    results = run_distributed(_setup_messages, 2, timeout=180)
+    for result in results:
+        assert re.search(r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run", result["manual"]), result["manual"]
+        assert re.search(r"precision='16-mixed' scales the loss with Lightning's GradScaler.*Use precision='bf16-mixed'", result["fp16"]), result["fp16"]
+        assert result["bf16"] == ["torch.bfloat16"], result["bf16"]  # each rank's own block, in bf16
+    warned = results[0]["warned"]  # rank 0 warns
     assert len(warned) == 1, warned
     assert "_DictModule's training_step is not called (each needs the whole model)" in warned[0]
     assert "logs it as 'train/loss', 'val/loss', 'test/loss'" in warned[0]

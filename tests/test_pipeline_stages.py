@@ -123,6 +123,22 @@ def test_block_timing_waits_for_the_device_around_every_clock_read(monkeypatch: 
     assert synced == ["cpu"] * (pieces * 2 * 2)  # before and after each of `repeats` timings
 
 
+def test_block_timing_leaves_no_trace_in_the_run() -> None:
+    from lightning_scale.core.block_costs import measure_costs
+
+    model = GPT(GPTConfig(n_layers=2, d_model=16, n_heads=2, block_size=8, dropout=0.1))
+    model.train()
+    model.blocks["1"].eval()  # a user's own mix of modes is restored as it was
+    tokens = torch.randint(0, 256, (4, 8))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    measure_costs(model, gpt_pipeline_spec(model), (tokens, tokens), 2, repeats=1)
+    torch.testing.assert_close(torch.rand(3), expected)  # dropout drew no random numbers
+    assert model.training and model.blocks["0"].training and not model.blocks["1"].training
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_synchronize_uses_the_accelerator_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_scale.core.block_costs import synchronize
 

@@ -4,6 +4,7 @@ one layout refused by a Trainer at another."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,15 @@ def _run(rank: int, world: int, kwargs: dict[str, Any], other: dict[str, Any], c
     except ValueError as err:
         result["refused"] = str(err)
     result["val_elsewhere"] = _validate_checkpoint(world, other, ckpt)
+    if kwargs.get("data_parallel", 1) > 1:
+        return result  # FSDP2's replicate/fully_shard refuse deepcopy themselves
+    # A cut module stays copyable (StochasticWeightAveraging, torch.save); the copy cannot be set up.
+    copied = copy.deepcopy(module)
+    try:
+        _trainer(world, kwargs, limit_val_batches=1).validate(copied, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+        result["copy"] = "no error"
+    except ValueError as err:
+        result["copy"] = str(err)
     return result
 
 
@@ -84,6 +94,8 @@ def _check(results: list[dict[str, Any]], single: dict[str, Any], dp: int, layou
         expected = single["predict"][dp_rank::dp] if dp > 1 else single["predict"]
         torch.testing.assert_close(result["predict"], expected, rtol=1e-9, atol=1e-12)
         assert f"was already cut and wrapped for {layout} by an earlier Trainer" in result["refused"], result["refused"]
+        if dp == 1:
+            assert f"is a copy of a module cut and wrapped for {layout}" in result["copy"], result["copy"]
 
 
 @pytest.mark.slow
@@ -101,10 +113,15 @@ def test_fit_then_validate_test_predict_with_new_trainers_at_dp2_tp2(single: dic
 
 
 def test_only_settings_that_decide_the_cut_must_match_for_a_module_to_be_set_up_again() -> None:
+    from lightning_scale.core.layout import Layout
     from lightning_scale.strategies._options import ParallelOptions
 
+    layout = Layout(dp=2, pp=2, tp=1)
     first = ParallelOptions(data_parallel=2, pipeline_parallel=2, microbatches=4, loss_name="{stage}_loss")
-    # Sizes compare as resolved layouts; micro-batches and loss names may change between Trainers.
-    assert first.structural_differences(ParallelOptions(data_parallel="auto", pipeline_parallel=2, microbatches=8)) == []
+    # Sizes compare as resolved layouts; micro-batches and loss names may change between Trainers, and
+    # so may options that do nothing at this layout (loss parallelism without tensor parallelism).
+    same = ParallelOptions(data_parallel="auto", pipeline_parallel=2, microbatches=8, loss_parallel=False, virtual_stages=3)
+    assert first.structural_differences(same, layout) == []
     other = ParallelOptions(data_parallel=2, pipeline_parallel=2, schedule="gpipe", activation_checkpointing="full")
-    assert first.structural_differences(other) == ["schedule='1f1b' vs 'gpipe'", "activation_checkpointing='none' vs 'full'"]
+    expected = ["schedule='1f1b' vs 'gpipe'", "activation_checkpointing='none' vs 'full'"]
+    assert first.structural_differences(other, layout) == expected

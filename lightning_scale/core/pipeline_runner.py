@@ -188,9 +188,10 @@ class PipelineRunner:
             if isinstance(inputs, tuple):
                 raise ValueError("partition='by_cost' times blocks on a single inputs tensor; use 'by_params'.")
             weights, first, last = measure_costs(root, spec, (inputs, target), self.microbatches)
-            # Timings differ a little between ranks; every rank must cut the same way.
+            # Timings differ between ranks; every rank of the mesh must cut the same way (not just the
+            # ranks of one pipeline: replicas and tensor-parallel peers must hold the same blocks too).
             costs = torch.tensor([*weights, first, last], dtype=torch.float64, device=self.device)
-            dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.pp_mesh.get_group())
+            dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             *weights, first, last = costs.tolist()
             return balanced_partition(weights, self.num_stages, first, last)
 

@@ -52,7 +52,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class GradSyncStage(PipelineStage):
-    """A ``PipelineStage`` whose end-of-step gradient reduction is skipped while ``sync_grads()`` is false.
+    """A ``PipelineStage`` whose end-of-step gradient reduction is skipped while ``sync_grads()`` is false
+    and on forward-only steps.
 
     Only FSDP2 ``fully_shard``/``replicate`` stage modules reduce in ``perform_reduce_grad``; for
     them a skipped step still runs FSDP's post-backward (accumulating the unsharded gradients,
@@ -65,7 +66,9 @@ class GradSyncStage(PipelineStage):
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         module = self.submod
-        if self._sync_grads() or not isinstance(module, FSDPModule):
+        # Forward-only steps (evaluation, possibly in the middle of an accumulation window) reduce
+        # nothing either: the window's gradients are reduced once, at its end.
+        if (self._sync_grads() and self.has_backward) or not isinstance(module, FSDPModule):
             super().perform_reduce_grad(grad_scale_factor)
             return
         # torch's version switches synchronisation on first; keep it off for this one call.

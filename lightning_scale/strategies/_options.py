@@ -49,18 +49,19 @@ def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
     mapping from some of those stages to names (the others keep ``"{stage}/loss"``).
     """
     if isinstance(loss_name, str):
-        if "{stage}" not in loss_name:
+        try:
+            names = {stage: loss_name.format(stage=stage) for stage in LOSS_STAGES}
+        except (KeyError, IndexError, ValueError, AttributeError) as err:
+            raise ValueError(
+                f"loss_name={loss_name!r} is not a template with only {{stage}} in braces ({err!r}); e.g. '{{stage}}_loss'."
+            ) from None
+        if len(set(names.values())) < len(LOSS_STAGES):
             raise ValueError(
                 f"loss_name={loss_name!r} would log the training, validation and test losses under one name. Use a "
                 "template with {stage} (e.g. '{stage}_loss' gives train_loss, val_loss, test_loss) or a mapping "
                 f"such as {{'val': {loss_name!r}}}."
             )
-        try:
-            return {stage: loss_name.format(stage=stage) for stage in LOSS_STAGES}
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(
-                f"loss_name={loss_name!r} is not a template with only {{stage}} in braces ({err!r}); e.g. '{{stage}}_loss'."
-            ) from None
+        return names
     if isinstance(loss_name, Mapping):
         unknown = sorted(set(loss_name) - set(LOSS_STAGES))
         if unknown or not all(isinstance(v, str) and v for v in loss_name.values()):
@@ -199,13 +200,28 @@ class ParallelOptions:
         """Keyword arguments for ``DistributedDataParallel`` (the options left at their defaults omitted)."""
         return {k: getattr(self, k) for k, default in _DDP_DEFAULTS.items() if getattr(self, k) != default}
 
-    def structural_differences(self, other: ParallelOptions) -> list[str]:
-        """Options that decide how a module is cut and wrapped, and differ between ``self`` and ``other``
-        (sizes aside: compare the resolved layouts)."""
+    def structural_differences(self, other: ParallelOptions, layout: Layout) -> list[str]:
+        """Options that decide how a module is cut and wrapped at ``layout`` and differ between ``self``
+        and ``other`` (sizes aside: compare the resolved layouts). Options that do nothing at ``layout``
+        (``loss_parallel`` at tp=1, the schedule at pp=1, ...) may differ."""
+
+        def matters(name: str) -> bool:
+            if name in ("sequence_parallel", "loss_parallel"):
+                return layout.tp > 1
+            if name in ("schedule", "partition"):
+                return layout.pp > 1
+            if name == "virtual_stages":
+                return layout.pp > 1 and self.schedule.startswith("interleaved")
+            if name == "data_parallel_mode":
+                return layout.dp > 1
+            if name == "activation_checkpointing_every":
+                return "selective" in (self.activation_checkpointing, other.activation_checkpointing)
+            return True
+
         return [
             f"{f.name}={getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in fields(self)
-            if f.init and f.name not in _NON_STRUCTURAL and getattr(self, f.name) != getattr(other, f.name)
+            if f.init and f.name not in _NON_STRUCTURAL and matters(f.name) and getattr(self, f.name) != getattr(other, f.name)
         ]
 
     @staticmethod
@@ -216,14 +232,18 @@ class ParallelOptions:
     def check_layout(self, layout: Layout) -> None:
         """Checks that need the resolved sizes (``"auto"`` filled in)."""
         ddp = self.ddp_kwargs()
-        fsdp2 = layout.tp > 1 or layout.pp > 1 or (layout.dp > 1 and self.data_parallel_mode != "ddp")
-        if ddp and fsdp2:
+        without_ddp = layout.tp > 1 or layout.pp > 1 or (layout.dp > 1 and self.data_parallel_mode != "ddp")
+        if ddp and without_ddp:
+            reason = (
+                f"{layout} has no data parallelism"
+                if layout.dp == 1
+                else f"{layout} with data_parallel_mode={self.data_parallel_mode!r} runs FSDP2 (replicate/fully_shard), "
+                "which needs no such settings (it handles unused parameters and buckets itself)"
+            )
             raise ValueError(
                 f"{', '.join(f'{k}={v!r}' for k, v in ddp.items())} configure DistributedDataParallel, which this "
-                f"run does not use: {layout} with data_parallel_mode={self.data_parallel_mode!r} runs FSDP2 "
-                "(replicate/fully_shard), which needs no such settings (it handles unused parameters and buckets "
-                "itself). Remove them, or use plain data parallelism "
-                "(tensor_parallel=1, pipeline_parallel=1, data_parallel_mode='ddp')."
+                f"run does not use: {reason}. Remove them, or use plain data parallelism (tensor_parallel=1, "
+                "pipeline_parallel=1, data_parallel_mode='ddp')."
             )
         if self.gradient_compression != "none" and (layout.tp > 1 or layout.pp > 1):
             raise ValueError(

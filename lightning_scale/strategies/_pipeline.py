@@ -98,10 +98,17 @@ def check_pipeline_module(module: LightningModule, pipeline_parallel: int, loss_
             "of every micro-batch itself, so `manual_backward` has no graph to act on. Use automatic optimisation, "
             "or pipeline_parallel=1."
         )
-    bypassed = [m for m in ("training_step", "validation_step", "test_step", "predict_step") if is_overridden(m, module)]
+    steps = ("training_step", "validation_step", "test_step", "predict_step", "backward")
+    bypassed = [m for m in steps if is_overridden(m, module)]
     if bypassed:
         _, spec = pipeline_spec_of(module)
         loss = getattr(spec.loss_fn, "__qualname__", repr(spec.loss_fn))
+        zero_grad = (
+            " Its optimizer_zero_grad runs, but the strategy itself releases the previous step's gradients before "
+            "each window's first schedule (on_before_zero_grad sees none)."
+            if is_overridden("optimizer_zero_grad", module)
+            else ""
+        )
         rank_zero_warn(
             f"pipeline_parallel={pipeline_parallel}: {type(module).__name__}'s {', '.join(bypassed)} "
             f"{'is' if len(bypassed) == 1 else 'are'} not called (each needs the whole model). Instead each rank "
@@ -109,14 +116,18 @@ def check_pipeline_module(module: LightningModule, pipeline_parallel: int, loss_
             "of every batch, and the strategy logs it as "
             f"{', '.join(repr(n) for n in loss_names.values())} (HybridParallelStrategy(loss_name=...)) and returns "
             "it from training_step; predict returns the model's output. Hooks, callbacks, optimizers, schedulers, "
-            "clipping and accumulation work as usual.",
+            f"clipping and accumulation work as usual.{zero_grad}",
             category=UserWarning,
         )
 
 
 def example_batch(trainer: Trainer) -> Any:
     """One batch of the data the running Trainer call uses (fit: training data; validate, test,
-    predict: theirs), from a datamodule or plain dataloaders; ``None`` when there is none."""
+    predict: theirs), from a datamodule or plain dataloaders; ``None`` when there is none.
+
+    Several training loaders give what Lightning's training loop gives: a dict (or list) with a batch
+    of each; several evaluation loaders, a batch of the first (evaluation runs them one by one).
+    """
     loop = {
         TrainerFn.FITTING: trainer.fit_loop,
         TrainerFn.VALIDATING: trainer.validate_loop,
@@ -127,9 +138,16 @@ def example_batch(trainer: Trainer) -> Any:
     if source is None or not source.is_defined():
         return None
     loaders = source.dataloader()
+    training = trainer.state.fn == TrainerFn.FITTING
     if isinstance(loaders, Mapping):
+        if training:
+            batches = {key: next(iter(loader), None) for key, loader in loaders.items()}
+            return None if any(b is None for b in batches.values()) else batches
         loaders = next(iter(loaders.values()), None)
     elif isinstance(loaders, (list, tuple)):
+        if training:
+            batches_list = [next(iter(loader), None) for loader in loaders]
+            return None if not batches_list or any(b is None for b in batches_list) else batches_list
         loaders = loaders[0] if loaders else None
     return None if loaders is None else next(iter(loaders), None)
 

@@ -51,7 +51,8 @@ class ParallelSteps:
             with self._loss_context():
                 return super().training_step(*args, **kwargs)
         module = self.lightning_module
-        with self._loss_context():
+        # The precision plugin's autocast (Lightning's own steps enter it around the module's step).
+        with self.precision_plugin.train_step_context(), self._loss_context():
             loss, self._stashed_grads = _pipeline.training_step(
                 self._pipeline,
                 module,
@@ -100,14 +101,16 @@ class ParallelSteps:
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            return self._pipeline_eval(args[0], "val")
+            with self.precision_plugin.val_step_context():
+                return self._pipeline_eval(args[0], "val")
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            return self._pipeline_eval(args[0], "test")
+            with self.precision_plugin.test_step_context():
+                return self._pipeline_eval(args[0], "test")
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
@@ -116,7 +119,8 @@ class ParallelSteps:
         if self._pipeline is not None:
             # The model's output for the batch's inputs (its predict_step would need the whole model).
             inputs, _ = pipeline_batch(self.lightning_module, args[0], predicting=True)
-            return self._pipeline.predict_step(inputs)
+            with self.precision_plugin.predict_step_context():
+                return self._pipeline.predict_step(inputs)
         # Vocabulary-sharded outputs (loss_parallel) are returned whole, as one process would.
         return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, lambda t: t.full_tensor())
 

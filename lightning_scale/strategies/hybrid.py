@@ -43,15 +43,32 @@ _STATE = "_lightning_scale_parallel"
 
 
 @dataclass(frozen=True)
+class _CopiedState:
+    """What a copy of a cut module carries instead of the state: a copy has no stages or process groups."""
+
+    layout: Layout
+
+
+@dataclass(frozen=True)
 class _ParallelState:
     """What a module was parallelised for, kept on the module so that the next Trainer (``fit`` with one,
-    ``test`` with another) adopts the same mesh and pipeline instead of cutting it again."""
+    ``test`` with another) adopts the same mesh and pipeline instead of cutting it again.
+
+    It holds process groups, which cannot be copied: copying or pickling the module
+    (``copy.deepcopy``, ``StochasticWeightAveraging``, ``torch.save``) leaves a :class:`_CopiedState`.
+    """
 
     layout: Layout
     hsdp: tuple[int, int] | None
     options: ParallelOptions
     mesh: DeviceMesh
     pipeline: PipelineRunner | None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CopiedState:
+        return _CopiedState(self.layout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_CopiedState, (self.layout,))
 
 
 class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, ParallelStrategy):
@@ -239,13 +256,25 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         assert module is not None
         if layout.pp > 1:
             check_pipeline_module(module, layout.pp, o.loss_names)
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError(
+                    f"precision='16-mixed' scales the loss with Lightning's GradScaler, which at pipeline_parallel="
+                    f"{layout.pp} never reaches the micro-batch losses inside the pipeline schedule: gradients would be "
+                    "unscaled without having been scaled. Use precision='bf16-mixed' (or '32-true') with pipelines."
+                )
         hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
-        state: _ParallelState | None = getattr(module, _STATE, None)
+        state = getattr(module, _STATE, None)
+        if isinstance(state, _CopiedState):
+            raise ValueError(
+                f"{type(module).__name__} is a copy of a module cut and wrapped for {state.layout}; a copy has no "
+                "pipeline stages or process groups of its own to be set up with. Set up the original, or load a "
+                "checkpoint into a fresh module."
+            )
         if state is not None:
             differences = [] if state.layout == layout else [f"layout {state.layout} vs {layout}"]
             if state.hsdp != hsdp:
                 differences.append(f"hsdp (replicate, shard) {state.hsdp} vs {hsdp}")
-            differences += state.options.structural_differences(o)
+            differences += state.options.structural_differences(o, layout)
             if differences:
                 raise ValueError(
                     f"{type(module).__name__} was already cut and wrapped for {state.layout} by an earlier Trainer "
@@ -363,10 +392,12 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         if batch is None:
             raise ValueError(
                 "partition='by_cost' times every block on a real batch at set-up, but this Trainer call has no "
-                "data yet (no datamodule or dataloaders). Pass the data to fit/validate/test/predict, or use "
-                "partition='by_params'."
+                "batch to give (no datamodule or dataloaders, or an empty one). Pass the data to "
+                "fit/validate/test/predict, or use partition='by_params'."
             )
-        batch = self.batch_to_device(self.precision_plugin.convert_input(batch))
+        # As the loops prepare a batch before the step sees it.
+        batch = module._on_before_batch_transfer(self.precision_plugin.convert_input(batch), dataloader_idx=0)
+        batch = self.batch_to_device(batch)
         predicting = module.trainer.state.fn == TrainerFn.PREDICTING
         return pipeline_batch(module, batch, predicting=predicting)
 
