@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import fit_error, quiet_trainer
-from helpers.models import BlockStack, StackModule
+from helpers.models import BlockStack, ListStack, StackModule
 from helpers.parity import STEPS, RecordLoss, assert_parity, fit_gpt, single_process
 from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
@@ -51,6 +51,7 @@ PP2_CASES: dict[str, Any] = {
         for s in ("1f1b", "interleaved_1f1b")
     },
     "mlp": lambda w: _fit_mlp(HybridParallelStrategy(data_parallel=1, pipeline_parallel=w, microbatches=2), w),
+    "module-list": lambda w: _fit_mlp(HybridParallelStrategy(data_parallel=1, pipeline_parallel=w, microbatches=2), w, ListStack),
     **{f"predict-{s}": lambda w, s=s: _predict(w, s) for s in ("1f1b", "zbv")},
 }
 PP4_CASES: dict[str, Any] = {
@@ -132,6 +133,19 @@ def test_second_architecture_pp2_matches_one_process(pp2: list[dict[str, Any]]) 
         assert mlp["state"].keys() == reference["state"].keys()
         for name, value in reference["state"].items():
             torch.testing.assert_close(mlp["state"][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_blocks_in_a_module_list_pipeline_with_parity_and_their_checkpoint_loads_at_pp1(pp2: list[dict[str, Any]]) -> None:
+    reference = _fit_mlp("auto", 1, ListStack)
+    for result in pp2:
+        stack = result["module-list"]
+        torch.testing.assert_close(stack["losses"], reference["losses"], rtol=1e-9, atol=0)
+        # The stages' full state, under the whole model's names, loads into the unpruned model.
+        whole = StackModule(ListStack()).double()
+        whole.load_state_dict(stack["state"], strict=True)
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(whole.state_dict()[name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
 # ---------------------------------------------------------------- errors
@@ -248,13 +262,13 @@ def test_checkpoints_move_between_pp2_and_pp1(tmp_path) -> None:
 # ---------------------------------------------------------------- a second architecture, through the public hook
 
 
-def _fit_mlp(strategy: Any, devices: int) -> dict[str, Any]:
+def _fit_mlp(strategy: Any, devices: int, net: type[BlockStack] = BlockStack) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
         devices=devices, strategy=strategy, precision="64-true", max_steps=STEPS, gradient_clip_val=0.5, callbacks=[record]
     )
-    module = StackModule()
+    module = StackModule(net())
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
     state = trainer.strategy.lightning_module_state_dict() if devices > 1 else module.state_dict()
     return {"losses": record.losses, "state": {k: v.detach().clone() for k, v in state.items()}}

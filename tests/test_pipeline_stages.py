@@ -56,12 +56,25 @@ def test_a_model_without_a_spec_finds_none() -> None:
     assert find_registered_spec(nn.Sequential(nn.Linear(2, 2))) is None
 
 
-def test_pruning_a_module_list_refuses_to_renumber() -> None:
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+def test_pruning_a_module_list_keeps_the_indices_as_names_and_iterates_the_kept_blocks(container: type) -> None:
     model = nn.Module()
-    model.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
-    spec = PipelineSpec(blocks=["layers.0", "layers.1", "layers.2"])
-    with pytest.raises(ValueError, match=r"Cannot remove 'layers.0' from an nn.ModuleList.*nn.ModuleDict"):
-        prune_to_stage(model, spec, [1, 2], is_first=False, is_last=True)
+    originals = [nn.Linear(2, 2) for _ in range(4)]
+    model.layers = nn.ModuleList(originals) if container is nn.ModuleList else nn.Sequential(*originals)
+    spec = PipelineSpec(blocks=[f"layers.{i}" for i in range(4)])
+    prune_to_stage(model, spec, [1, 2], is_first=False, is_last=True)
+    # Names as in the whole model (checkpoints stay layout-free); no renumbering.
+    assert [n for n, _ in model.named_parameters()] == [f"layers.{i}.{p}" for i in (1, 2) for p in ("weight", "bias")]
+    # The model's own `for layer in self.layers` / `self.layers[:n]` / `len` see this stage's blocks.
+    assert list(model.layers) == originals[1:3] and len(model.layers) == 2
+    assert model.layers[0] is originals[1] and model.layers[-1] is originals[2]
+    assert list(model.layers[:4]) == originals[1:3]
+    x = torch.randn(1, 2)
+    if container is nn.Sequential:
+        torch.testing.assert_close(model.layers(x), originals[2](originals[1](x)))
+    else:
+        with pytest.raises(TypeError, match=r"module list holds only its own layers.*would reuse a name"):
+            model.layers.append(nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 A stage is the original model with the other stages' blocks (and, off the first and last stage,
 the modules before and after the blocks) removed. Nothing is renamed, so ``blocks.7.attn.wq.weight``
 is called that at every pipeline size and a checkpoint saved at one layout loads at any other.
+Blocks may sit in an ``nn.ModuleDict``, an ``nn.Sequential`` or an ``nn.ModuleList`` (which becomes
+a :class:`KeptModuleList`: iterating it yields the stage's blocks, their names unchanged).
 The model's ``forward`` must skip what is missing (a removed embedding means the input already is
 the hidden state; a removed head means the output is the hidden state), as the reference GPT's does.
 """
@@ -18,7 +20,7 @@ from torch import nn
 
 from lightning_scale.core.modules import outermost_registered
 
-__all__ = ["PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec", "stage_view"]
+__all__ = ["KeptModuleList", "PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec", "stage_view"]
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,48 @@ def find_registered_spec(root: nn.Module) -> tuple[str, PipelineSpec] | None:
     return found[0] if found else None
 
 
+class KeptModuleList(nn.ModuleList):
+    """An ``nn.ModuleList`` that a pipeline stage removed entries from, keeping the others' names.
+
+    ``nn.ModuleList`` renumbers its entries when one is deleted (``layers.5`` would become
+    ``layers.1`` on a later stage, and checkpoints would depend on the layout). Here the kept entries
+    keep their original keys (so parameter names stay ``layers.5.…``), while iteration, ``len`` and
+    indexing are over the kept entries, in order: a model's ``for layer in self.layers`` or
+    ``self.layers[: n]`` runs exactly this stage's layers. It cannot grow (that would reuse a name).
+    A list becomes one by a class change, the way FSDP2 wraps modules: no state is added.
+    """
+
+    def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:  # type: ignore[override]
+        kept = list(self._modules.values())
+        if isinstance(idx, slice):
+            return nn.ModuleList(kept[idx])
+        return kept[idx]  # type: ignore[return-value]
+
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        key = list(self._modules)[idx]
+        self._modules[key] = module
+
+    def __delitem__(self, idx: int | slice) -> None:
+        for key in list(self._modules)[idx] if isinstance(idx, slice) else [list(self._modules)[idx]]:
+            del self._modules[key]
+
+    def _grow(self, *args: object, **kwargs: object) -> KeptModuleList:
+        raise TypeError(
+            "A pipeline stage's module list holds only its own layers, under their original indices; adding one "
+            "would reuse a name. Build the model whole before it is cut into stages."
+        )
+
+    append = insert = extend = __iadd__ = _grow  # type: ignore[assignment]
+
+
 def _remove(root: nn.Module, name: str) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
-    if isinstance(parent, nn.ModuleDict):
-        del parent[attr]
-    elif isinstance(parent, (nn.ModuleList, nn.Sequential)):
-        raise ValueError(
-            f"Cannot remove {name!r} from an nn.{type(parent).__name__}: the blocks after it would be renumbered "
-            "and renamed. Keep pipelined blocks in an nn.ModuleDict keyed by their index (as the reference GPT does)."
-        )
+    if isinstance(parent, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
+        # Not `del parent[i]`: ModuleList and Sequential renumber the entries after it.
+        del parent._modules[attr]
+        if type(parent) is nn.ModuleList:
+            parent.__class__ = KeptModuleList
     else:
         setattr(parent, attr, None)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_scale.core.pipeline import PipelineSpec
 
-__all__ = ["BlockStack", "StackModule", "lm_loss"]
+__all__ = ["BlockStack", "ListStack", "StackModule", "lm_loss"]
 
 
 def lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,21 @@ class BlockStack(nn.Module):
         return self.out(x) if self.out is not None else x
 
 
+class ListStack(BlockStack):
+    """The same, with its blocks in an ``nn.ModuleList`` (as Hugging Face, litgpt and timm keep theirs)."""
+
+    def __init__(self, dim: int = 32, vocab: int = 256, depth: int = 4) -> None:
+        super().__init__(dim=dim, vocab=vocab)
+        self.blocks = nn.ModuleList(_mlp(dim) for _ in range(depth))  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x) if self.out is not None else x
+
+
 class StackModule(LightningModule):
     """A LightningModule written as a user would, declaring its blocks through the ``pipeline_spec`` hook."""
 
@@ -48,7 +63,7 @@ class StackModule(LightningModule):
         self.net = net if net is not None else BlockStack()
 
     def pipeline_spec(self) -> tuple[str, PipelineSpec]:
-        blocks = [f"blocks.{k}" for k in self.net.blocks]
+        blocks = [f"blocks.{k}" for k in self.net.blocks._modules]  # "0", "1", ... in a ModuleDict or a ModuleList
         return "net", PipelineSpec(blocks=blocks, first=["embed"], last=["out"], loss_fn=lm_loss)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
