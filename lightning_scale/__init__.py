@@ -11,6 +11,7 @@ from lightning_scale._torch_version import check_torch_version as _check_torch_v
 
 _check_torch_version(str(_torch.__version__))
 
+from lightning_scale import integrations as _integrations  # noqa: E402, F401  (Hugging Face plans and stages)
 from lightning_scale import strategies as _strategies  # noqa: E402, F401  (registers "hybrid", "tensor_parallel")
 
 __version__ = "0.1.0"

@@ -45,14 +45,14 @@ def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
     assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; core may import torch and the stdlib only"
 
 
-@pytest.mark.parametrize("sub", ["strategies", "plugins", "callbacks", "core", "models", "data"])
+@pytest.mark.parametrize("sub", ["strategies", "plugins", "callbacks", "core", "models", "data", "integrations"])
 def test_lower_layers_never_import_cli_or_conf(sub: str) -> None:
     for path in (PKG / sub).rglob("*.py"):
         bad = [n for n in _imports(path) if n.startswith(("lightning_scale.cli", "lightning_scale.conf", "hydra"))]
         assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
 
 
-@pytest.mark.parametrize("sub", ["strategies", "plugins", "callbacks"])
+@pytest.mark.parametrize("sub", ["strategies", "plugins", "callbacks", "integrations"])
 def test_adapters_never_import_the_reference_models(sub: str) -> None:
     for path in (PKG / sub).rglob("*.py"):
         bad = [n for n in _imports(path) if n.startswith("lightning_scale.models")]
@@ -67,3 +67,9 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     bad_file.write_text("import lightning.pytorch as pl\nfrom omegaconf import OmegaConf\n")
     names = [n for n in ast.walk(ast.parse(bad_file.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert len(names) == 2
+
+
+def test_the_hugging_face_integration_does_not_import_transformers() -> None:
+    # `import lightning_scale` registers it; it must stay light and work without the extra.
+    bad = [n for p in (PKG / "integrations").rglob("*.py") for n in _imports(p) if n.split(".")[0] == "transformers"]
+    assert not bad, bad

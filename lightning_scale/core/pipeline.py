@@ -14,13 +14,22 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_scale.core.modules import outermost_registered
+from lightning_scale.core.modules import Matcher, check_matcher, outermost_registered
 
-__all__ = ["KeptModuleList", "PipelineSpec", "find_registered_spec", "prune_to_stage", "register_pipeline_spec", "stage_view"]
+__all__ = [
+    "KeptModuleList",
+    "PipelineSpec",
+    "StageForward",
+    "find_registered_spec",
+    "prune_to_stage",
+    "register_pipeline_spec",
+    "stage_view",
+]
 
 
 @dataclass(frozen=True)
@@ -33,12 +42,24 @@ class PipelineSpec:
         last: modules that run after the last block (they live on the last stage).
         loss_fn: ``loss_fn(output, target) -> scalar``, computed on the last stage from the
             model's output and the batch target.
+        identity: modules of ``first``/``last`` that a stage without them replaces by ``nn.Identity``
+            instead of ``None`` (for models whose forward calls them unconditionally, like a final
+            norm inside a Hugging Face base model).
+        stage_forward: ``stage_forward(module, *inputs) -> output``: how a stage runs its pruned
+            module (default: ``module(*inputs)``); the first stage's inputs are the batch inputs,
+            a later stage's the hidden state.
+        split_batch: ``split_batch(batch) -> (inputs, target)`` for batches of the kind this model is
+            usually fed (a Hugging Face ``{"input_ids", "labels"}`` dict), used when the
+            LightningModule defines no ``pipeline_batch`` hook.
     """
 
     blocks: Sequence[str]
     first: Sequence[str] = ()
     last: Sequence[str] = ()
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    identity: Sequence[str] = ()
+    stage_forward: Callable[..., Any] | None = field(default=None, compare=False)
+    split_batch: Callable[[Any], tuple[Any, Any]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -47,17 +68,22 @@ class PipelineSpec:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"PipelineSpec names {dupes} more than once; each module belongs to one place.")
+        stray = sorted(set(self.identity) - set(self.first) - set(self.last))
+        if stray:
+            raise ValueError(f"PipelineSpec identity {stray} must be among its first or last modules.")
 
 
 SpecFn = Callable[[nn.Module], PipelineSpec]
-_REGISTRY: dict[type[nn.Module], SpecFn] = {}
+_REGISTRY: dict[Matcher, SpecFn] = {}
 
 
-def register_pipeline_spec(module_type: type[nn.Module], spec_fn: SpecFn) -> None:
-    """Register how an architecture is cut; applies to every instance found inside a model."""
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"register_pipeline_spec needs an nn.Module subclass, got {module_type!r}")
-    _REGISTRY[module_type] = spec_fn
+def register_pipeline_spec(matcher: Matcher, spec_fn: SpecFn) -> None:
+    """Register how an architecture is cut; applies to every instance found inside a model.
+
+    ``matcher``: an ``nn.Module`` subclass, or a predicate on module instances (tried after the
+    types, in registration order)."""
+    check_matcher("register_pipeline_spec", matcher)
+    _REGISTRY[matcher] = spec_fn
 
 
 def find_registered_spec(root: nn.Module) -> tuple[str, PipelineSpec] | None:
@@ -109,7 +135,7 @@ class KeptModuleList(nn.ModuleList):
     append = insert = extend = __iadd__ = _grow  # type: ignore[assignment]
 
 
-def _remove(root: nn.Module, name: str) -> None:
+def _remove(root: nn.Module, name: str, identity: bool = False) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     if isinstance(parent, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
@@ -118,7 +144,7 @@ def _remove(root: nn.Module, name: str) -> None:
         if type(parent) is nn.ModuleList:
             parent.__class__ = KeptModuleList
     else:
-        setattr(parent, attr, None)
+        setattr(parent, attr, nn.Identity() if identity else None)
 
 
 def _dropped(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_last: bool) -> list[str]:
@@ -139,7 +165,7 @@ def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, 
     if missing:
         raise ValueError(f"The pipeline spec names modules that do not exist: {missing[:5]}")
     for name in _dropped(spec, keep, is_first, is_last):
-        _remove(root, name)
+        _remove(root, name, identity=name in spec.identity)
     return root
 
 
@@ -176,5 +202,21 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
         parent_path, _, _ = name.rpartition(".")
         parent = copied(parent_path)
         # Only the copied parent's table changes; `root` keeps the module.
-        _remove(parent, name.rpartition(".")[2])
+        _remove(parent, name.rpartition(".")[2], identity=name in spec.identity)
     return copied("")
+
+
+class StageForward(nn.Module):
+    """The module a pipeline stage runs when the spec has a ``stage_forward``: ``stage_forward(module, *inputs)``.
+
+    The pruned model (or its view) is a child, so data parallelism wrapping this wrapper manages
+    the model's parameters, and their names inside the model do not change.
+    """
+
+    def __init__(self, module: nn.Module, stage_forward: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._stage_forward = stage_forward
+
+    def forward(self, *inputs: Any) -> Any:
+        return self._stage_forward(self.module, *inputs)

@@ -33,7 +33,7 @@ from lightning_scale.core.partition import (
     partition_by_layers,
     stage_ranks,
 )
-from lightning_scale.core.pipeline import PipelineSpec, prune_to_stage, stage_view
+from lightning_scale.core.pipeline import PipelineSpec, StageForward, prune_to_stage, stage_view
 from lightning_scale.core.pipeline_schedules import build_schedule, forward_only_schedule, make_stages
 from lightning_scale.core.pipeline_ties import TiedCopies, check_ties_for_data_parallel
 
@@ -133,21 +133,29 @@ class PipelineRunner:
         """The module that holds all of this rank's blocks (pruned in place)."""
         return self._root
 
+    @property
+    def spec(self) -> PipelineSpec:
+        return self._spec
+
     def block_modules(self) -> list[nn.Module]:
         """This rank's blocks, in order."""
         return [self._root.get_submodule(self._spec.blocks[b]) for s in self.local_stages for b in self.partition.blocks(s)]
 
     def stage_modules(self) -> list[nn.Module]:
-        """The module each local stage runs: the pruned root itself, or one view per stage."""
+        """The module each local stage runs: the pruned root itself, or one view per stage (each in a
+        :class:`StageForward` when the spec says how a stage runs)."""
         if self._modules is None:
             root, spec = self._root, self._spec
             if len(self.local_stages) == 1:
-                self._modules = [root]
+                modules = [root]
             else:
-                self._modules = [
+                modules = [
                     stage_view(root, spec, self.partition.blocks(s), is_first=s == 0, is_last=s == self.num_stages - 1)
                     for s in self.local_stages
                 ]
+            if spec.stage_forward is not None:
+                modules = [StageForward(m, spec.stage_forward) for m in modules]
+            self._modules = modules
         return self._modules
 
     def build(self, microbatches: int | None = None) -> None:

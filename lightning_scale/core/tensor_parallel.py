@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.modules import outermost_registered, tied_parameter_groups
+from lightning_scale.core.modules import Matcher, check_matcher, outermost_registered, tied_parameter_groups
 
 __all__ = [
     "STYLE_NAMES",
@@ -58,14 +58,15 @@ STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
 PlanFn = Callable[..., Mapping[str, ParallelStyle | str]]
 """``fn(module, tp_size, *, sequence_parallel, loss_parallel) -> plan``, names relative to ``module``."""
 
-_REGISTRY: dict[type[nn.Module], PlanFn] = {}
+_REGISTRY: dict[Matcher, PlanFn] = {}
 
 
-def register_plan(module_type: type[nn.Module], plan_fn: PlanFn) -> None:
-    """Register the tensor-parallel plan of an architecture; applies to every instance found inside a model."""
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"register_plan needs an nn.Module subclass, got {module_type!r}")
-    _REGISTRY[module_type] = plan_fn
+def register_plan(matcher: Matcher, plan_fn: PlanFn) -> None:
+    """Register the tensor-parallel plan of an architecture; applies to every instance found inside a model.
+
+    ``matcher``: an ``nn.Module`` subclass, or a predicate on module instances (tried after the types)."""
+    check_matcher("register_plan", matcher)
+    _REGISTRY[matcher] = plan_fn
 
 
 def find_registered_plans(root: nn.Module) -> dict[str, PlanFn]:

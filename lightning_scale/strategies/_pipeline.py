@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
 from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.integrations.huggingface import unsupported_pipeline_family
 
 __all__ = [
     "PIPELINE_BATCH_HOOK",
@@ -49,19 +50,25 @@ def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
     hook = getattr(module, PIPELINE_SPEC_HOOK, None)
     found = hook() if callable(hook) else find_registered_spec(module)
     if found is None:
+        why = unsupported_pipeline_family(module)
         raise ValueError(
-            f"pipeline_parallel > 1 needs to know where {type(module).__name__} may be cut, but it declares no "
-            f"blocks: define `{PIPELINE_SPEC_HOOK}(self) -> (root_module_name, PipelineSpec(blocks=..., first=..., "
-            "last=..., loss_fn=...))` or register the architecture with "
-            "lightning_scale.core.pipeline.register_pipeline_spec."
+            f"pipeline_parallel > 1 needs to know where {type(module).__name__} may be cut, but "
+            f"{why + ', not this one' if why else 'it declares no blocks'}: define `{PIPELINE_SPEC_HOOK}(self) -> "
+            "(root_module_name, PipelineSpec(blocks=..., first=..., last=..., loss_fn=...))` or register the "
+            "architecture with lightning_scale.core.pipeline.register_pipeline_spec."
         )
     return found
 
 
-def pipeline_batch(module: LightningModule, batch: Any, *, predicting: bool = False) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a batch: the module's ``pipeline_batch`` hook, or the batch itself when it
-    is a pair. For prediction a lone tensor (or a 1-tuple) is the inputs, with no target."""
+def pipeline_batch(
+    module: LightningModule, batch: Any, *, predicting: bool = False, spec: PipelineSpec | None = None
+) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a batch: the module's ``pipeline_batch`` hook, else the spec's
+    ``split_batch`` (a model family's usual batches), else the batch itself when it is a pair. For
+    prediction a lone tensor (or a 1-tuple) is the inputs, with no target."""
     hook = getattr(module, PIPELINE_BATCH_HOOK, None)
+    if not callable(hook) and spec is not None and spec.split_batch is not None:
+        hook = spec.split_batch
     if callable(hook):
         pair = hook(batch)
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
@@ -171,7 +178,7 @@ def training_step(
     ones are taken off the parameters until ``backward``.
     """
     trainer = module.trainer
-    inputs, target = pipeline_batch(module, batch)
+    inputs, target = pipeline_batch(module, batch, spec=runner.spec)
     stashed: StashedGrads = []
     if trainer.fit_loop._skip_backward:  # e.g. StochasticWeightAveraging's extra epoch: forward only
         loss = runner.eval_step(inputs, target)
@@ -194,7 +201,7 @@ def training_step(
 
 def eval_step(runner: PipelineRunner, module: LightningModule, batch: Any, loss_name: str) -> torch.Tensor:
     """Forward of every micro-batch of ``batch``; logs and returns its loss."""
-    inputs, target = pipeline_batch(module, batch)
+    inputs, target = pipeline_batch(module, batch, spec=runner.spec)
     loss = runner.eval_step(inputs, target)
     # Already the mean over replicas, on every rank (the pipeline's one collective).
     module.log(loss_name, loss, prog_bar=True)

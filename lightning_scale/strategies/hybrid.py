@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -33,43 +32,11 @@ from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
-from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch
+from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch, pipeline_spec_of
+from lightning_scale.strategies._state import ParallelState
 from lightning_scale.strategies._steps import ParallelSteps
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
-
-_STATE = "_lightning_scale_parallel"
-"""Attribute of a LightningModule that the strategy cut and wrapped: a :class:`_ParallelState`."""
-
-
-@dataclass(frozen=True)
-class _CopiedState:
-    """What a copy of a cut module carries instead of the state: a copy has no stages or process groups."""
-
-    layout: Layout
-
-
-@dataclass(frozen=True)
-class _ParallelState:
-    """What a module was parallelised for, kept on the module so that the next Trainer (``fit`` with one,
-    ``test`` with another) adopts the same mesh and pipeline instead of cutting it again.
-
-    It holds process groups, which cannot be copied: copying or pickling the module
-    (``copy.deepcopy``, ``StochasticWeightAveraging``, ``torch.save``) leaves a :class:`_CopiedState`.
-    """
-
-    layout: Layout
-    hsdp: tuple[int, int] | None
-    options: ParallelOptions
-    mesh: DeviceMesh
-    pipeline: PipelineRunner | None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _CopiedState:
-        return _CopiedState(self.layout)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_CopiedState, (self.layout,))
-
 
 class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
@@ -263,24 +230,8 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
                     "unscaled without having been scaled. Use precision='bf16-mixed' (or '32-true') with pipelines."
                 )
         hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
-        state = getattr(module, _STATE, None)
-        if isinstance(state, _CopiedState):
-            raise ValueError(
-                f"{type(module).__name__} is a copy of a module cut and wrapped for {state.layout}; a copy has no "
-                "pipeline stages or process groups of its own to be set up with. Set up the original, or load a "
-                "checkpoint into a fresh module."
-            )
+        state = ParallelState.of(module, layout, hsdp, o)
         if state is not None:
-            differences = [] if state.layout == layout else [f"layout {state.layout} vs {layout}"]
-            if state.hsdp != hsdp:
-                differences.append(f"hsdp (replicate, shard) {state.hsdp} vs {hsdp}")
-            differences += state.options.structural_differences(o, layout)
-            if differences:
-                raise ValueError(
-                    f"{type(module).__name__} was already cut and wrapped for {state.layout} by an earlier Trainer "
-                    f"and cannot be set up again with other settings ({'; '.join(differences)}). Build a new module, "
-                    "or load its checkpoint into one (LightningModule.load_from_checkpoint), for another layout."
-                )
             # Another Trainer after the one that cut the module: its DTensors and stages live on that mesh.
             self._layout, self._device_mesh = state.layout, state.mesh
         elif self._device_mesh is None or layout != self._layout:
@@ -351,7 +302,7 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         Lightning's own strategies also rebuild, are made again.
         """
         o, layout = self.options, self.layout
-        state: _ParallelState | None = getattr(module, _STATE, None)
+        state = ParallelState.of(module, layout, None, None)
         if state is None:
             check_not_wrapped(module)
             self._pipeline = parallelize(
@@ -366,7 +317,7 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
                 hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
-                setattr(module, _STATE, _ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline))
+                ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline).attach(module)
         else:
             self._pipeline = state.pipeline
         if self._pipeline is not None:
@@ -399,7 +350,7 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         batch = module._on_before_batch_transfer(self.precision_plugin.convert_input(batch), dataloader_idx=0)
         batch = self.batch_to_device(batch)
         predicting = module.trainer.state.fn == TrainerFn.PREDICTING
-        return pipeline_batch(module, batch, predicting=predicting)
+        return pipeline_batch(module, batch, predicting=predicting, spec=pipeline_spec_of(module)[1])
 
     @override
     def model_to_device(self) -> None:

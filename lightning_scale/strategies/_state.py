@@ -1,0 +1,78 @@
+"""What a LightningModule was parallelised for, kept on the module so that the next Trainer (``fit``
+with one, ``test`` with another) adopts the same mesh and pipeline instead of cutting it again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_scale.core.layout import Layout
+from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.strategies._options import ParallelOptions
+
+__all__ = ["ParallelState"]
+
+_STATE = "_lightning_scale_parallel"
+"""Attribute of a LightningModule that the strategy cut and wrapped: a :class:`ParallelState`."""
+
+
+@dataclass(frozen=True)
+class _CopiedState:
+    """What a copy of a cut module carries instead of the state: a copy has no stages or process groups."""
+
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """The layout, options, mesh and pipeline a module was cut and wrapped with.
+
+    It holds process groups, which cannot be copied: copying or pickling the module
+    (``copy.deepcopy``, ``StochasticWeightAveraging``, ``torch.save``) leaves a marker instead, and
+    the copy is refused when it is set up.
+    """
+
+    layout: Layout
+    hsdp: tuple[int, int] | None
+    options: ParallelOptions
+    mesh: DeviceMesh
+    pipeline: PipelineRunner | None
+
+    def attach(self, module: nn.Module) -> None:
+        setattr(module, _STATE, self)
+
+    @staticmethod
+    def of(
+        module: nn.Module, layout: Layout, hsdp: tuple[int, int] | None, options: ParallelOptions | None
+    ) -> ParallelState | None:
+        """The module's state (``None``: never cut). With ``options``, raise ``ValueError`` unless a Trainer
+        set up at ``layout``, ``hsdp`` and ``options`` can adopt it."""
+        state = getattr(module, _STATE, None)
+        if isinstance(state, _CopiedState):
+            raise ValueError(
+                f"{type(module).__name__} is a copy of a module cut and wrapped for {state.layout}; a copy has no "
+                "pipeline stages or process groups of its own to be set up with. Set up the original, or load a "
+                "checkpoint into a fresh module."
+            )
+        if state is None or options is None:
+            return state
+        differences = [] if state.layout == layout else [f"layout {state.layout} vs {layout}"]
+        if state.hsdp != hsdp:
+            differences.append(f"hsdp (replicate, shard) {state.hsdp} vs {hsdp}")
+        differences += state.options.structural_differences(options, layout)
+        if differences:
+            raise ValueError(
+                f"{type(module).__name__} was already cut and wrapped for {state.layout} by an earlier Trainer "
+                f"and cannot be set up again with other settings ({'; '.join(differences)}). Build a new module, "
+                "or load its checkpoint into one (LightningModule.load_from_checkpoint), for another layout."
+            )
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CopiedState:
+        return _CopiedState(self.layout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_CopiedState, (self.layout,))
