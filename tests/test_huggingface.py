@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import quiet_trainer
-from helpers.parity import RecordLoss
+from helpers.parity import RecordLoss, full_parameters
 from lightning.pytorch import LightningModule, seed_everything
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_scale  # noqa: F401
@@ -97,12 +96,7 @@ def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False) -> di
     )
     module = HFModule(family, own_loss)
     trainer.fit(module)
-    local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    if devices > 1:
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
-        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
-        local = {k: v for part in parts for k, v in part.items()}
-    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": {k: v.detach().clone() for k, v in local.items()}}
+    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": full_parameters(module, devices)}
 
 
 def _hybrid(world: int, family: str, own_loss: bool = False, **kwargs: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from lightning_scale.callbacks import GradNormMonitor
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 
-__all__ = ["STEPS", "RecordLoss", "assert_parity", "fit_gpt", "single_process"]
+__all__ = ["STEPS", "RecordLoss", "assert_parity", "fit_gpt", "full_parameters", "single_process"]
 
 
 STEPS = 4
@@ -38,6 +38,17 @@ class RecordLoss(Callback):
         self.outputs.append(float(outputs["loss"]))
         if "train/grad_norm" in trainer.callback_metrics:
             self.grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+
+def full_parameters(module: Any, devices: int) -> dict[str, torch.Tensor]:
+    """The whole model's state under its original names, on every rank (a collective when ``devices > 1``)."""
+    if devices == 1:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    # Full tensors of what this rank holds (a collective over shards), merged over all ranks.
+    local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
+    torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def fit_gpt(
@@ -70,14 +81,7 @@ def fit_gpt(
     datamodule = TextDataModule(seq_len=min(32, config.block_size), global_batch_size=global_batch_size)
     trainer.fit(module, datamodule=datamodule)
     val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
-    if devices > 1:
-        # Full tensors of what this rank holds (a collective over shards), merged over all ranks.
-        local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(devices)]
-        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
-        state = {k: v for part in parts for k, v in part.items()}
-    else:
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = full_parameters(module, devices)
     # outputs["loss"] is the training_step's: the rank's own share of the batch, except under a
     # pipeline, where the strategy returns the whole global batch's loss on every rank.
     pipelined = getattr(trainer.strategy, "_pipeline", None) is not None
