@@ -32,6 +32,7 @@ def _model(family: str, **overrides: Any) -> torch.nn.Module:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[family]
     shape = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
@@ -164,6 +165,34 @@ def test_a_module_using_the_models_own_float32_loss_matches_to_float32_rounding(
     for result in (r["llama/pp2-own-loss"] for r in two):
         torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-6, atol=0)
         torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_every_supported_familys_stages_chained_equal_the_whole_model(family: str) -> None:
+    import copy
+
+    from lightning_scale.core.pipeline import StageForward, prune_to_stage
+    from lightning_scale.strategies._pipeline import pipeline_spec_of
+
+    torch.manual_seed(0)
+    module = LightningModule()
+    module.model = _model(family).double()
+    root, spec = pipeline_spec_of(module)  # found with no hook: the registered family
+    assert root == "model" and list(spec.blocks) == [f"model.layers.{i}" for i in range(4)]
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        whole = module.model(input_ids=tokens).logits
+        first, second = copy.deepcopy(module.model), copy.deepcopy(module.model)
+        prune_to_stage(first, spec, [0, 1], is_first=True, is_last=False)
+        prune_to_stage(second, spec, [2, 3], is_first=False, is_last=True)
+        chained = StageForward(second, spec.stage_forward)(StageForward(first, spec.stage_forward)(tokens))
+    torch.testing.assert_close(chained, whole, rtol=0, atol=0)
+    assert {n for n, _ in first.named_parameters()} | {n for n, _ in second.named_parameters()} == {
+        n for n, _ in module.model.named_parameters()
+    }
+    # The pipeline's loss is the model's own `.loss` (in the logits' precision).
+    own = module.model(input_ids=tokens, labels=tokens).loss.double()
+    torch.testing.assert_close(spec.loss_fn(whole, tokens), own, rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------- what cannot work, refused with the fix
