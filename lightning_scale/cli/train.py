@@ -21,12 +21,14 @@ import warnings
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
+from lightning_scale.models import GPT, GPTConfig
 
 __all__ = ["RESOLVED_CONFIG_ENV", "build", "main", "planned_data_parallel_size", "run"]
 
@@ -161,12 +163,22 @@ def _finish_wandb(trainer: Trainer) -> None:
             logger.experiment.finish()
 
 
+def _num_parameters(module: LightningModule) -> int:
+    """The whole model's parameter count, whether it is built yet or not, at any layout (counted on
+    the meta device: a pipeline stage or a shard would count only its part)."""
+    config = getattr(module, "config", None)
+    if not isinstance(config, GPTConfig):
+        return sum(p.numel() for p in module.parameters())
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns (and on global rank 0 writes) the run summary."""
     start = time.perf_counter()
     module, datamodule, trainer, record = build(cfg)
     if trainer.is_global_zero:
-        params = module.model.num_parameters()
+        params = _num_parameters(module)
         print(
             f"lightning-scale-train: {params / 1e6:.2f}M parameters | {trainer.world_size} process(es) | "
             f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}",
@@ -187,7 +199,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary.update(
         global_step=trainer.global_step,
         world_size=trainer.world_size,
-        num_parameters=module.model.num_parameters(),
+        num_parameters=_num_parameters(module),
         elapsed_s=round(time.perf_counter() - start, 2),
     )
     if "train/loss" in trainer.callback_metrics:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_scale.core.deferred_init import has_meta_tensors
 from lightning_scale.core.pipeline import PipelineSpec
 
 __all__ = ["measure_costs", "synchronize"]
@@ -25,9 +27,36 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+@contextmanager
+def stand_in_tensors(modules: Sequence[nn.Module], device: torch.device, skip: Sequence[nn.Module] = ()) -> Iterator[None]:
+    """Random tensors on ``device`` in place of the meta tensors of ``modules`` (not of those inside
+    ``skip``) while the block runs, for timing a model that is not materialised yet: only what runs
+    is real. The meta tensors (the very objects, so ties and plans stay valid) come back after."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    real: dict[int, torch.Tensor] = {}
+    for module in {id(m): m for top in modules for m in top.modules() if id(m) not in skipped}.values():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in list(table.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in real:
+                    value = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    value.normal_(0.0, 0.02) if value.is_floating_point() else value.zero_()
+                    real[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if table is module._parameters else value
+                saved.append((table, attr, tensor))
+                table[attr] = real[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, attr, tensor in saved:
+            table[attr] = tensor
+
+
 def _device_of(module: nn.Module) -> torch.device:
     for tensor in [*module.parameters(), *module.buffers()]:
-        return tensor.device
+        if not tensor.is_meta:
+            return tensor.device
     return torch.device("cpu")
 
 
@@ -59,7 +88,9 @@ def _measure(
     inputs = inputs[: max(inputs.size(0) // microbatches, 1)]
     if isinstance(target, torch.Tensor):
         target = target[: max(target.size(0) // microbatches, 1)]
-    device = _device_of(root)
+    deferred = has_meta_tensors(root)
+    device = inputs.device if deferred else _device_of(root)
+    pieces = [root.get_submodule(n) for n in [*spec.blocks, *spec.first, *spec.last]]
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
     handles = []
     for name in [*spec.blocks, *spec.first, *spec.last]:
@@ -68,8 +99,20 @@ def _measure(
             captured[name] = (args, kwargs, output)
 
         handles.append(root.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
+    running = ExitStack()
+
+    def enter(module: nn.Module, args: Any) -> None:
+        running.enter_context(stand_in_tensors([module], device))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        running.close()
+
+    if deferred:
+        # Each piece is real only while it runs; the rest (a root's tables, a rotary embedding) throughout.
+        for piece in pieces:
+            handles += [piece.register_forward_pre_hook(enter), piece.register_forward_hook(leave)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), stand_in_tensors([root], device, skip=pieces) if deferred else nullcontext():
             root(inputs)
     finally:
         for handle in handles:
@@ -81,6 +124,11 @@ def _measure(
         return x
 
     def timed(names: Sequence[str], with_loss: bool = False) -> float:
+        modules = [root.get_submodule(n) for n in names]
+        with stand_in_tensors(modules, device) if deferred else nullcontext():
+            return _timed(names, with_loss)
+
+    def _timed(names: Sequence[str], with_loss: bool) -> float:
         best = float("inf")
         for _ in range(repeats):
             synchronize(device)

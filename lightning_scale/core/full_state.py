@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["full_model_state", "full_optimizer_state", "load_full_model_state", "load_full_optimizer_state"]
 
@@ -45,11 +45,39 @@ def full_model_state(module: nn.Module, pp_group: ProcessGroup | None = None) ->
 
 
 def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict: bool = True, partial: bool = False) -> None:
-    """Load a whole-model state dict; ``partial``: a pipeline stage takes the entries it holds."""
-    if partial:
-        held = module.state_dict()
-        state = {k: v for k, v in state.items() if k in held}
-    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+    """Load a whole-model state dict; ``partial``: a pipeline stage takes the entries it holds.
+
+    Each rank copies its own shard out of each whole tensor, with no communication, one tensor at a
+    time: from a memory-mapped checkpoint a rank reads only the pages of what it keeps.
+    """
+    held = module.state_dict()  # this rank's tensors, sharing storage with its parameters and buffers
+    missing = [k for k in held if k not in state]
+    unexpected = [] if partial else [k for k in state if k not in held]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing[:10]}, "
+            f"unexpected keys {unexpected[:10]}. Pass strict=False to load the matching entries only."
+        )
+    others: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, target in held.items():
+            if name not in state:
+                continue
+            if not isinstance(target, Tensor):
+                others[name] = state[name]  # extra state: the module's own loader
+                continue
+            value = state[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise RuntimeError(
+                    f"size mismatch for {name}: copying a tensor of shape {tuple(value.shape)} from the checkpoint, "
+                    f"the shape in the current model is {tuple(target.shape)}."
+                )
+            if isinstance(target, DTensor):
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+                target = target.to_local()
+            target.copy_(value)
+    if others:
+        module.load_state_dict(others, strict=False)
 
 
 def full_optimizer_state(

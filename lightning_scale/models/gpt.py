@@ -201,6 +201,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.wv = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.wo._residual_output = True  # initialised with GPT-2's 1/sqrt(2L) scaled std
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -230,9 +231,11 @@ class MLP(nn.Module):
             self.w1 = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
             self.w3 = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
             self.w2 = nn.Linear(config.ff_dim, config.d_model, bias=config.bias)
+            self.w2._residual_output = True
         else:
             self.fc = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
             self.proj = nn.Linear(config.ff_dim, config.d_model, bias=config.bias)
+            self.proj._residual_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
@@ -280,22 +283,29 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer: GPT-2's scheme, residual outputs scaled by 1/sqrt(2L)."""
+        for module in self.modules():
+            self._init_weights(module)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors (one of this model's modules, or the model itself).
+
+        The per-module form of :meth:`init_weights`, which deferred initialisation calls for one
+        module at a time (``lightning_scale.core.deferred_init``; Hugging Face models name theirs
+        the same way)."""
         cfg = self.config
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                last = name.rsplit(".", 1)[-1]
-                std = residual_std if last in ("wo", "proj", "w2") else cfg.init_std
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
-        if cfg.positional == "rope":
-            cos, sin = _rotary_tables(cfg, device=self.rope_cos.device)
-            self.rope_cos, self.rope_sin = cos, sin
+        if isinstance(module, nn.Linear):
+            residual = getattr(module, "_residual_output", False)
+            std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if residual else cfg.init_std
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            module.reset_parameters()
+        elif module is self and cfg.positional == "rope":
+            self.rope_cos, self.rope_sin = _rotary_tables(cfg, device=self.rope_cos.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)``.

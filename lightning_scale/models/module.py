@@ -32,6 +32,10 @@ class GPTLightningModule(LightningModule):
         warmup_steps: linear warm-up length in optimizer steps.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at the last step
             (``Trainer.estimated_stepping_batches``).
+        deferred_init: build the GPT in ``configure_model`` instead of here. Under
+            ``HybridParallelStrategy`` it is then created on the meta device, cut and sharded, and each
+            rank initialises only its own part (for models bigger than one device); the same seed gives
+            the same parameters at every layout. Other strategies create it on their device as usual.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class GPTLightningModule(LightningModule):
         eps: float = 1e-8,
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        deferred_init: bool = False,
     ) -> None:
         super().__init__()
         config = GPTConfig.coerce(config)
@@ -58,11 +63,26 @@ class GPTLightningModule(LightningModule):
         self.hparams["config"] = dataclasses.asdict(config)
         self._hparams_initial["config"] = dataclasses.asdict(config)  # what loggers record
         self.config = config
-        self.model = GPT(config)
+        self.model: GPT | None = None if deferred_init else GPT(config)
+
+    @override
+    def configure_model(self) -> None:
+        # Called by every Trainer call; the model is built once.
+        if self.model is None:
+            self.model = GPT(self.config)
 
     @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+        return self.gpt(tokens)
+
+    @property
+    def gpt(self) -> GPT:
+        if self.model is None:
+            raise RuntimeError(
+                "GPTLightningModule(deferred_init=True) builds its model in configure_model(), which the Trainer "
+                "calls at the start of fit/validate/test/predict; call it yourself to use the module outside one."
+            )
+        return self.model
 
     @override
     def setup(self, stage: str) -> None:
@@ -109,7 +129,7 @@ class GPTLightningModule(LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         decay, no_decay = [], []
-        for param in self.model.parameters():
+        for param in self.gpt.parameters():
             if param.requires_grad:
                 # Matrices (linears, embeddings) decay; vectors (norms, biases) do not.
                 (decay if param.dim() >= 2 else no_decay).append(param)

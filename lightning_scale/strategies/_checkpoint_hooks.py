@@ -3,10 +3,13 @@ so a checkpoint saved at one layout loads at any other."""
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -30,6 +33,16 @@ class FullStateCheckpoints:
     lightning_module: LightningModule
     model: Any
     optimizers: list[Any]
+    checkpoint_io: CheckpointIO
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A local checkpoint file is memory-mapped: its tensors are read when a rank copies its shard
+        out of them, so no rank reads (or holds) the whole model, only the pages of what it keeps."""
+        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
+        if type(self.checkpoint_io) is TorchCheckpointIO and path is not None and path.is_file() and zipfile.is_zipfile(path):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _pp_group(self) -> Any:
         return self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
+from lightning_scale.core.deferred_init import DeferredInit
 from lightning_scale.core.grad_norm import clip_grad_norm_, total_grad_norm
 from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
 from lightning_scale.core.pipeline_runner import PipelineRunner
@@ -222,7 +224,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         module = self.lightning_module
         assert module is not None
         if layout.pp > 1:
-            check_pipeline_module(module, layout.pp, o.loss_names)
             if getattr(self.precision_plugin, "scaler", None) is not None:
                 raise ValueError(
                     f"precision='16-mixed' scales the loss with Lightning's GradScaler, which at pipeline_parallel="
@@ -264,9 +265,19 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on
         # a mix of DTensor and plain gradients; clip by the norm over every shard and stage instead.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        module = self.lightning_module
+        if self.layout.pp > 1:
+            # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
+            check_pipeline_module(module, self.layout.pp, self.options.loss_names)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._parallelize(self.lightning_module)
+        # A model built on the meta device (configure_model, init_module, or the user's own
+        # `torch.device("meta")`) is cut and sharded first; each rank then materialises only its part.
+        deferred = DeferredInit.plan(module) if ParallelState.of(module, self.layout, None, None) is None else None
+        if deferred is None:
+            self.model_to_device()
+        else:
+            _move_real_tensors(module, self.root_device)
+        self._parallelize(module, deferred)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
@@ -293,7 +304,34 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         params, scope = self._norm_scope(optimizer)
         clip_grad_norm_(params, clip_val, **scope)
 
-    def _parallelize(self, module: LightningModule) -> None:
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Modules created here (``configure_model``, ``trainer.init_module()``) go on the meta device
+        unless ``empty_init=False``: ``setup`` cuts and shards them, then allocates and initialises
+        each rank's part (``lightning_scale.core.deferred_init`` says how and with which hooks).
+        Weights loaded into them here would be lost: load them with ``ckpt_path``."""
+        device = self.root_device if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def _materialize(self, module: LightningModule, deferred: DeferredInit) -> None:
+        """Allocate and initialise this rank's part of a deferred module, seeded alike on every rank."""
+        seed = int(self.broadcast(torch.initial_seed()))  # unseeded processes differ; rank 0's wins
+        extra = self._pipeline.stage_modules() if self._pipeline is not None else []
+        problems = deferred.materialize(module, self.root_device, seed, extra_roots=extra)
+        everyone: list[list[str]] = [[] for _ in range(self.world_size)]
+        torch.distributed.all_gather_object(everyone, problems)
+        found = sorted({p for rank in everyone for p in rank})
+        if found:
+            raise ValueError(
+                f"Deferred initialisation left {len(found)} tensors uninitialised: {found[:5]}. The initialiser that "
+                "ran for each module must set all of its parameters and buffers: extend it (reset_parameters() or "
+                "the model's _init_weights(module)), or create that module on a real device."
+            )
+        rank_zero_info(f"Deferred initialisation: {deferred.num_tensors} tensors, each rank materialised its own part")
+
+    def _parallelize(self, module: LightningModule, deferred: DeferredInit | None = None) -> None:
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
         activation checkpointing, ``torch.compile``, data parallel.
 
@@ -318,6 +356,8 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
                 hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
                 ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline).attach(module)
+            if deferred is not None:
+                self._materialize(module, deferred)
         else:
             self._pipeline = state.pipeline
         if self._pipeline is not None:
@@ -384,3 +424,8 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             tensor_parallel="auto",
         )
 
+
+
+def _move_real_tensors(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors that are not on the meta device (those stay)."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))

@@ -61,6 +61,7 @@ def fit_gpt(
     precision: str = "64-true",
     global_batch_size: int = 8,
     callbacks: Sequence[Callback] = (),
+    deferred_init: bool = False,
 ) -> dict[str, Any]:
     """Fit with clipping and validation; returns this rank's losses, the val loss and the full parameters."""
     seed_everything(0, verbose=False)
@@ -77,7 +78,7 @@ def fit_gpt(
         val_check_interval=None,
         check_val_every_n_epoch=None,
     )
-    module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=3)
+    module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=3, deferred_init=deferred_init)
     datamodule = TextDataModule(seq_len=min(32, config.block_size), global_batch_size=global_batch_size)
     trainer.fit(module, datamodule=datamodule)
     val = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]
