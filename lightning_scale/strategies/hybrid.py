@@ -425,7 +425,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         )
 
 
-
 def _move_real_tensors(module: torch.nn.Module, device: torch.device) -> None:
     """``module.to(device)`` for the tensors that are not on the meta device (those stay)."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
