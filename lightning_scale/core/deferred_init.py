@@ -33,6 +33,7 @@ Tensors that are not on the meta device are never touched (an initialiser runs o
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,12 +48,7 @@ INIT_HOOK = "_init_weights"
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors(module))
-
-
-def _tensors(module: nn.Module) -> Iterator[Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -141,7 +137,7 @@ class DeferredInit:
 
     @property
     def num_tensors(self) -> int:
-        return len({v for v in self._owner_of.values()})
+        return len(set(self._owner_of.values()))
 
     def materialize(self, root: nn.Module, device: torch.device, seed: int, extra_roots: Iterable[nn.Module] = ()) -> list[str]:
         """Allocate and initialise this rank's part of the (cut, sharded) ``root`` on ``device``.

@@ -100,19 +100,19 @@ class ParallelSteps:
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.val_step_context():
-                return self._pipeline_eval(args[0], "val")
-        with self._loss_context():
-            return super().validation_step(*args, **kwargs)
+        return self._eval_step("val", self.precision_plugin.val_step_context, super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test", self.precision_plugin.test_step_context, super().test_step, args, kwargs)
+
+    def _eval_step(self, stage: str, context: Any, module_step: Any, args: Any, kwargs: Any) -> Any:
+        """The pipeline's forward-only step under the precision plugin's ``context``, else the module's own."""
         if self._pipeline is not None:
-            with self.precision_plugin.test_step_context():
-                return self._pipeline_eval(args[0], "test")
+            with context():
+                return self._pipeline_eval(args[0], stage)
         with self._loss_context():
-            return super().test_step(*args, **kwargs)
+            return module_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
 from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
 from lightning_scale.strategies._collectives import WorldCollectives
+from lightning_scale.strategies._deferred import DeferredModules
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
 from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch, pipeline_spec_of
@@ -40,7 +40,7 @@ from lightning_scale.strategies._steps import ParallelSteps
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
-class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, ParallelStrategy):
+class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, DeferredModules, ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
     One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (for ``hsdp``
@@ -270,13 +270,7 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
             check_pipeline_module(module, self.layout.pp, self.options.loss_names)
         self.model = self.precision_plugin.convert_module(self.model)
-        # A model built on the meta device (configure_model, init_module, or the user's own
-        # `torch.device("meta")`) is cut and sharded first; each rank then materialises only its part.
-        deferred = DeferredInit.plan(module) if ParallelState.of(module, self.layout, None, None) is None else None
-        if deferred is None:
-            self.model_to_device()
-        else:
-            _move_real_tensors(module, self.root_device)
+        deferred = self._plan_or_move_to_device(module)
         self._parallelize(module, deferred)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -303,33 +297,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         params, scope = self._norm_scope(optimizer)
         clip_grad_norm_(params, clip_val, **scope)
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Modules created here (``configure_model``, ``trainer.init_module()``) go on the meta device
-        unless ``empty_init=False``: ``setup`` cuts and shards them, then allocates and initialises
-        each rank's part (``lightning_scale.core.deferred_init`` says how and with which hooks).
-        Weights loaded into them here would be lost: load them with ``ckpt_path``."""
-        device = self.root_device if empty_init is False else torch.device("meta")
-        with device, self.precision_plugin.tensor_init_context():
-            yield
-
-    def _materialize(self, module: LightningModule, deferred: DeferredInit) -> None:
-        """Allocate and initialise this rank's part of a deferred module, seeded alike on every rank."""
-        seed = int(self.broadcast(torch.initial_seed()))  # unseeded processes differ; rank 0's wins
-        extra = self._pipeline.stage_modules() if self._pipeline is not None else []
-        problems = deferred.materialize(module, self.root_device, seed, extra_roots=extra)
-        everyone: list[list[str]] = [[] for _ in range(self.world_size)]
-        torch.distributed.all_gather_object(everyone, problems)
-        found = sorted({p for rank in everyone for p in rank})
-        if found:
-            raise ValueError(
-                f"Deferred initialisation left {len(found)} tensors uninitialised: {found[:5]}. The initialiser that "
-                "ran for each module must set all of its parameters and buffers: extend it (reset_parameters() or "
-                "the model's _init_weights(module)), or create that module on a real device."
-            )
-        rank_zero_info(f"Deferred initialisation: {deferred.num_tensors} tensors, each rank materialised its own part")
 
     def _parallelize(self, module: LightningModule, deferred: DeferredInit | None = None) -> None:
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
@@ -424,7 +391,3 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             tensor_parallel="auto",
         )
 
-
-def _move_real_tensors(module: torch.nn.Module, device: torch.device) -> None:
-    """``module.to(device)`` for the tensors that are not on the meta device (those stay)."""
-    module._apply(lambda t: t if t.is_meta else t.to(device))
