@@ -64,3 +64,15 @@ def test_lightning_peers_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     # Ours and Lightning's strategies train the same model on the same batch.
     for pair in report["pairs"].values():
         assert pair["first_loss"]["ours"] == pytest.approx(pair["first_loss"]["lightning"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_precision_benchmark_prints_its_ratios(tmp_path: Path) -> None:
+    report = _bench(
+        "precision", "precision.py", "--preset", "tiny", "--batch", "1", "--seq", "16", "--steps", "2",
+        "--warmup", "1", "--rounds", "1", "--threads", "1", out=tmp_path / "precision.json",
+    )  # fmt: skip
+    for key in ("ratio_vs_torch_gradscaler", "plugin_work_ratio_vs_torch_gradscaler", "bound_s"):
+        assert report[key] > 0, key
+    assert set(report["step_s"]) == {"none", "ours", "torch"} and "fp32" in report["compute"]
+    assert isinstance(report["overhead_fraction"], float)

@@ -112,7 +112,7 @@ def test_another_hydra_app_composes_our_groups(tmp_path: Path) -> None:
 def test_every_experiment_runs_under_debug_fast(experiment: str | None, tmp_path: Path) -> None:
     # fp32: CPUs without native bfloat16 matmuls run bf16 autocast ~30x slower (28 s/step for
     # one GPT-2 layer here); bf16 itself is smoke-run on the tiny model below.
-    overrides = ["debug=fast", f"run_dir={tmp_path}", "trainer.precision=32-true"]
+    overrides = ["debug=fast", f"run_dir={tmp_path}", "precision=fp32"]
     if experiment:
         overrides.append(f"experiment={experiment}")
     summary = run(_compose(*overrides))
@@ -133,8 +133,9 @@ def test_every_experiment_has_enough_data_for_its_batches(experiment: str) -> No
     assert cfg.data.seq_len <= cfg.model.block_size
 
 
-def test_bf16_precision_runs_on_the_tiny_model(tmp_path: Path) -> None:
-    summary = run(_compose("debug=fast", "precision=bf16", f"run_dir={tmp_path}"))
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16_true"])
+def test_half_precisions_run_on_the_tiny_model(tmp_path: Path, precision: str) -> None:
+    summary = run(_compose("debug=fast", f"precision={precision}", f"run_dir={tmp_path}"))
     assert summary["global_step"] == 2 and summary["final_val_loss"] < summary["initial_val_loss"]
     if dist.is_initialized():
         dist.destroy_process_group()

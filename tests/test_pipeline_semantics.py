@@ -135,9 +135,12 @@ def _setup_messages(rank: int, world: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_trainer(devices=world, strategy=_pp(world), max_steps=1).fit(_DictModule(), data)
-    # "16-mixed" on CPU silently becomes bf16; a plugin instance keeps its GradScaler.
-    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    scaled = fit_error(quiet_trainer(devices=world, strategy=_pp(world), max_steps=1, plugins=[fp16]), _DictModule(), train_dataloaders=data)
+    # "16-mixed" on CPU silently becomes bf16; a plugin instance keeps its GradScaler, and the
+    # strategy turns it into lightning_scale's MixedPrecision, whose loss scale reaches the schedule.
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    trainer = quiet_trainer(devices=world, strategy=_pp(world), max_steps=2, plugins=[fp16])
+    trainer.fit(_DictModule(), data)
+    scaled = trainer.precision_plugin.state_dict()
     # bf16-mixed applies inside the schedule: a block's linear computes in bfloat16 on every stage.
     dtypes: list[torch.dtype] = []
     module = _DictModule()
@@ -148,11 +151,12 @@ def _setup_messages(rank: int, world: int) -> dict[str, Any]:
     return {"manual": manual, "warned": warned, "fp16": scaled, "bf16": sorted(set(map(str, dtypes)))}
 
 
-def test_set_up_refuses_manual_optimisation_and_fp16_loss_scaling_and_names_bypassed_methods_once() -> None:
+def test_set_up_refuses_manual_optimisation_runs_fp16_loss_scaling_and_names_bypassed_methods_once() -> None:
     results = run_distributed(_setup_messages, 2, timeout=180)
     for result in results:
         assert re.search(r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run", result["manual"]), result["manual"]
-        assert re.search(r"precision='16-mixed' scales the loss with Lightning's GradScaler.*Use precision='bf16-mixed'", result["fp16"]), result["fp16"]
+        assert result["fp16"]["precision"] == "16-mixed" and result["fp16"]["scaler"]["steps"] == 2, result["fp16"]
+        assert result["fp16"]["scaler"]["scale"] == 256.0 and result["fp16"]["skipped_steps"] == 0
         assert result["bf16"] == ["torch.bfloat16"], result["bf16"]  # each rank's own block, in bf16
     warned = results[0]["warned"]  # rank 0 warns
     assert len(warned) == 1, warned

@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_scale.core.grad_norm import total_grad_norm
+from lightning_scale.plugins.precision import MixedPrecision
 
 __all__ = ["GradNormMonitor"]
 
@@ -18,9 +19,13 @@ class GradNormMonitor(Callback):
 
     Under ``HybridParallelStrategy`` the norm is the model's, not a rank's: over tensor-parallel
     and FSDP shards, data-parallel replicas and every pipeline stage, with a weight tied across
-    stages counted once; it equals the single-process norm. Under other strategies it is the norm of
-    the gradients this rank holds. Computed once per optimizer step (after gradient accumulation
-    and, with mixed precision, after unscaling); every rank takes part, rank 0's loggers write it.
+    stages counted once; it equals the single-process norm. With
+    :class:`~lightning_scale.plugins.MixedPrecision` (always, under ``HybridParallelStrategy``) and
+    the plugin's ``norm_type``, the plugin logs it from the one all-reduce per optimizer step that
+    clipping and the overflow decision share: after the ``on_before_optimizer_step`` hooks, on the
+    unscaled gradients. Otherwise it is taken here, in ``on_before_optimizer_step``: under other
+    strategies, the norm of the gradients this rank holds. Every rank takes part, rank 0's loggers
+    write it.
 
     Args:
         norm_type: the p of the p-norm (``float("inf")`` for the largest absolute value).
@@ -30,9 +35,19 @@ class GradNormMonitor(Callback):
         if not (norm_type == float("inf") or norm_type > 0):
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
         self.norm_type = float(norm_type)
+        self._delegated = False
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        plugin = trainer.precision_plugin
+        self._delegated = isinstance(plugin, MixedPrecision) and plugin.norm_type == self.norm_type
+        if self._delegated:
+            plugin.log_grad_norm = True
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._delegated:
+            return
         norm_fn = getattr(trainer.strategy, "gradient_norm", None)
         if callable(norm_fn):
             norm = norm_fn(optimizer, self.norm_type)

@@ -146,13 +146,29 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRe
     record = _ValidationRecord()
     callbacks = [_instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [_instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    strategy = _instantiate(cfg.strategy)
     trainer = _instantiate(
         cfg.trainer,
-        strategy=_instantiate(cfg.strategy),
+        strategy=strategy,
         callbacks=[*callbacks, record],
         logger=loggers or False,
+        **_precision(cfg, strategy),
     )
     return module, datamodule, trainer, record
+
+
+def _precision(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
+    """The Trainer's precision argument from the ``precision`` group: our plugin, except under
+    DeepSpeed, which only takes its own (its loss scaling is then DeepSpeed's, by the precision name)."""
+    node = cfg.get("precision")
+    if node is None:
+        return {}
+    plugin = _instantiate(node)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        return {"precision": plugin.precision}
+    return {"plugins": [plugin]}
 
 
 def _finish_wandb(trainer: Trainer) -> None:

@@ -22,6 +22,7 @@ those). With pipeline parallelism every micro-batch of a step reuses the gathere
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 from lightning_scale.core.checks import format_choices
@@ -114,12 +116,16 @@ def apply_data_parallel(
     roots: Sequence[nn.Module],
     *,
     pipelined: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """Apply FSDP2 ``replicate`` (mode ``ddp``) or ``fully_shard`` bottom-up: each block, then each root.
 
     ``mesh``: the 1-D data-parallel mesh, or for ``hsdp`` the 2-D (replicate, shard) mesh.
     ``roots``: the modules whose forward runs the blocks (a pipeline rank with several stages has
     one per stage); parameters outside the blocks are grouped with them.
+    ``mp_policy``: ``fully_shard``'s mixed precision. Blocks keep their outputs in the compute dtype;
+    the roots' outputs (what the loss, or the next pipeline stage, receives) come back in fp32, as
+    under autocast, where the residual stream and the loss stay fp32.
     """
     if mode not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel_mode={mode!r} is not one of {format_choices(DATA_PARALLEL_MODES)}.")
@@ -133,10 +139,14 @@ def apply_data_parallel(
 
     # Pipelined: the gathered parameters serve every micro-batch of the step.
     reshard = mode == "fsdp" and not pipelined
+    block_policy = mp_policy or MixedPrecisionPolicy()
+    root_policy = block_policy
+    if block_policy.param_dtype is not None and block_policy.output_dtype is None:
+        root_policy = dataclasses.replace(block_policy, output_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=block_policy)
     for root in roots:
-        fully_shard(root, mesh=mesh, reshard_after_forward=False)
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=root_policy)
 
 
 def bf16_all_reduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

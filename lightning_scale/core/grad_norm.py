@@ -8,17 +8,35 @@ shards and replicas), is made a plain tensor with ``full_tensor()``, and the gro
 Plain gradients are taken to be identical on every rank that holds them (true for replicated
 parameters once data-parallel gradients are averaged). Pipeline stages hold disjoint parameters:
 pass their process ``group`` and the per-stage norms are combined over it.
+
+:func:`gradient_stats` does the same for a whole (dp, pp, tp) mesh with **one** all-reduce, which
+also says whether any gradient anywhere is non-finite: the precision plugin's clipping, logging and
+fp16 overflow decision share it. A :class:`GradientScope` says which rank counts which piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["clip_grad_norm_", "total_grad_norm"]
+__all__ = [
+    "GradientScope",
+    "GradientStats",
+    "clip_grad_norm_",
+    "clip_grads_by_value_",
+    "gradient_stats",
+    "local_grads",
+    "reduce_partial_grads_",
+    "scale_grads_",
+    "total_grad_norm",
+]
 
 
 def _groups(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -72,3 +90,192 @@ def clip_grad_norm_(
         assert p.grad is not None
         p.grad.mul_(coef_value if isinstance(p.grad, DTensor) else coef.to(p.grad))
     return total
+
+
+class GradientScope:
+    """Which of this rank's gradients count in the whole model's norm, so that one all-reduce over the
+    world gives it (and whether any gradient anywhere is non-finite).
+
+    ``mesh`` is the world's device mesh (every rank in it; ``None``: all ranks are replicas, as under
+    plain DDP). Along ``stage_dim`` ranks hold different parameters (pipeline stages): every stage
+    counts its own. Along every other dimension a piece of a gradient is either a shard (counted by
+    each holder) or a copy (a ``Replicate`` placement, a dimension its DTensor's mesh does not span,
+    or a plain tensor): a copy counts only on the rank at coordinate 0 of that dimension, so each
+    distinct piece is counted exactly once. ``excluded``: ids of parameters another stage already
+    counts (a weight tied across stages).
+    """
+
+    def __init__(self, mesh: DeviceMesh | None = None, *, stage_dim: str | None = None, excluded: Iterable[int] = ()) -> None:
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if stage_dim is not None and stage_dim not in names:
+            raise ValueError(f"stage_dim={stage_dim!r} is not a dimension of the mesh {names}.")
+        self.mesh = mesh
+        self.excluded = frozenset(excluded)
+        self._stage = names.index(stage_dim) if stage_dim is not None else None
+        self._counts: dict[Any, bool] = {}
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The world, when there is more than one process (``None``: nothing to reduce)."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        return dist.group.WORLD
+
+    def _world(self) -> tuple[torch.Tensor, list[int]]:
+        """The world's ranks as a mesh tensor, and this rank's coordinate in it."""
+        if self.mesh is not None:
+            coordinate = self.mesh.get_coordinate()
+            assert coordinate is not None, "this rank is not in the mesh"
+            return self.mesh.mesh, list(coordinate)
+        world = dist.get_world_size() if self.group is not None else 1
+        rank = dist.get_rank() if self.group is not None else 0
+        return torch.arange(world), [rank]
+
+    def counts(self, grad: torch.Tensor) -> bool:
+        """Whether this rank counts its piece of ``grad`` (see the class docstring)."""
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
+        if key not in self._counts:
+            self._counts[key] = self._decide(grad)
+        return self._counts[key]
+
+    def _decide(self, grad: torch.Tensor) -> bool:
+        ranks, me = self._world()
+        spanned: set[int] = set()
+        if isinstance(grad, DTensor):
+            sub = grad.device_mesh
+            for dim, placement in enumerate(grad.placements):
+                if placement.is_replicate() and sub.get_local_rank(dim) != 0:
+                    return False
+            members = set(sub.mesh.flatten().tolist())
+            for dim in range(ranks.dim()):
+                if ranks.size(dim) > 1:
+                    neighbour = list(me)
+                    neighbour[dim] = (me[dim] + 1) % ranks.size(dim)
+                    if int(ranks[tuple(neighbour)]) in members:
+                        spanned.add(dim)
+        return all(me[d] == 0 for d in range(ranks.dim()) if d != self._stage and d not in spanned)
+
+
+@dataclass(frozen=True)
+class GradientStats:
+    """The whole model's gradient norm and whether any gradient on any rank is non-finite."""
+
+    norm: float
+    """The global ``norm_type``-norm, as a Python float (inf or nan when not finite)."""
+    finite: bool
+    """False when some rank holds a non-finite gradient (an overflow): equal on every rank."""
+    nonfinite_local: tuple[int, ...] = ()
+    """Indices (into the parameters passed) of this rank's non-finite gradients."""
+
+
+def _is_partial(grad: torch.Tensor | None) -> bool:
+    return isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
+
+
+def reduce_partial_grads_(parameters: Iterable[torch.Tensor]) -> int:
+    """Finish the reduction of gradients left ``Partial`` (e.g. a sequence-parallel norm's weight: each
+    tensor-parallel rank holds the sum over its part of the sequence), one bucketed all-reduce per
+    mesh dimension instead of one per tensor; each becomes ``Replicate``. Returns the collectives run.
+
+    The optimizer would otherwise reduce each such gradient on its own inside its foreach ops, and a
+    norm cannot be taken of a partial sum.
+    """
+    buckets: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for p in parameters:
+        if _is_partial(p.grad):
+            buckets.setdefault((p.grad.device_mesh, tuple(p.grad.placements), p.grad.dtype), []).append(p)
+    collectives = 0
+    for (mesh, placements, _), params in buckets.items():
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                op = placement.reduce_op
+                if op not in ("sum", "avg"):
+                    raise ValueError(f"Cannot finish a Partial({op}) gradient reduction; only sum and avg.")
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+                if op == "avg":
+                    flat /= mesh.size(dim)
+                collectives += 1
+        done = [Replicate() if pl.is_partial() else pl for pl in placements]
+        offset = 0
+        for p, local in zip(params, locals_):
+            n = local.numel()
+            local.copy_(flat[offset : offset + n].view_as(local))
+            offset += n
+            p.grad = DTensor.from_local(local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride())
+    return collectives
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    if _is_partial(grad):
+        raise ValueError(
+            "A gradient is still a Partial DTensor (a reduction pending); call reduce_partial_grads_ first."
+        )
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The local tensors of the parameters' gradients (a DTensor's shard), for in-place foreach ops."""
+    return [_local(p.grad) for p in parameters if p.grad is not None]
+
+
+def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, norm_type: float = 2.0) -> GradientStats:
+    """The global gradient norm and the overflow flag from **one** all-reduce of two numbers.
+
+    Gradients must not be ``Partial`` (:func:`reduce_partial_grads_`). Each rank takes the norms of its local gradient pieces (foreach, per device and dtype), sums the
+    ``norm_type``-th powers of the pieces ``scope`` counts (max for the inf-norm), and flags any
+    non-finite piece, counted or not; one all-reduce over the world combines both. Reading the result
+    is the step's one host synchronisation.
+    """
+    if not (norm_type == float("inf") or norm_type > 0):
+        raise ValueError(f"norm_type={norm_type} must be positive or inf.")
+    with_grads = [(i, p) for i, p in enumerate(parameters) if p.grad is not None]
+    grads = [p.grad for _, p in with_grads]
+    pieces = [_local(g) for g in grads]  # type: ignore[arg-type]
+    device = pieces[0].device if pieces else torch.device("cpu")
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for j, piece in enumerate(pieces):
+        by_kind.setdefault((piece.device, piece.dtype), []).append(j)
+    norms = torch.zeros(len(pieces), dtype=torch.float64, device=device)
+    for (_, dtype), members in by_kind.items():
+        # Half-precision gradients are summed in fp32 at least.
+        accumulate = torch.promote_types(dtype, torch.float32)
+        found = torch._foreach_norm([pieces[j] for j in members], norm_type, dtype=accumulate)
+        norms[members] = torch.stack(found).to(device=device, dtype=torch.float64)
+    counts = [scope.counts(g) and id(p) not in scope.excluded for g, (_, p) in zip(grads, with_grads)]  # type: ignore[arg-type]
+    counted = torch.tensor(counts, device=device, dtype=torch.bool)
+    inf_norm = norm_type == float("inf")
+    chosen = norms[counted] if pieces else norms
+    value = (chosen.max() if chosen.numel() else norms.new_zeros(())) if inf_norm else (chosen**norm_type).sum()
+    flag = (~torch.isfinite(norms)).any().to(torch.float64)
+    both = torch.stack([value, flag])
+    group = scope.group
+    if group is not None:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, group=group)
+    total, nonfinite = both.tolist()
+    norm = total if inf_norm else total ** (1.0 / norm_type)
+    finite = nonfinite == 0 and math.isfinite(norm)
+    if not finite and math.isfinite(norm):
+        norm = math.inf  # the non-finite piece was a copy another rank counts (replicas that diverged)
+    local_bad: tuple[int, ...] = ()
+    if not finite:
+        local_bad = tuple(with_grads[j][0] for j in (~torch.isfinite(norms)).nonzero().flatten().tolist())
+    return GradientStats(norm=norm, finite=finite, nonfinite_local=local_bad)
+
+
+def scale_grads_(parameters: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient in place by ``factor`` (each local shard; foreach per device and dtype)."""
+    if factor == 1.0:
+        return
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for piece in local_grads(parameters):
+        by_kind.setdefault((piece.device, piece.dtype), []).append(piece)
+    for same in by_kind.values():
+        torch._foreach_mul_(same, factor)
+
+
+def clip_grads_by_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (local shards: elementwise, no communication)."""
+    for piece in local_grads(parameters):
+        piece.clamp_(-clip_value, clip_value)

@@ -20,6 +20,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
@@ -79,11 +80,13 @@ def parallelize(
     device: torch.device,
     tensor_parallel_plan: Callable[[LightningModule], dict[str, ParallelStyle | str]],
     example_batch: Callable[[], Any],
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> PipelineRunner | None:
     """Apply pipeline, tensor, activation-checkpointing, compile and FSDP2 data parallelism in place.
 
     Returns the pipeline runner when ``layout.pp > 1`` (its schedule is built by the caller).
     ``example_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
+    ``mp_policy``: FSDP2's mixed precision for ``fully_shard`` (the precision plugin's).
     """
     found = _blocks_spec(module)
     needs_blocks = options.activation_checkpointing != "none" or options.compile
@@ -144,5 +147,7 @@ def parallelize(
             roots = [root] if root is not None and root is not module else []
             roots += [c for c in module.children() if _has_params(c) and c is not root]
         dp_mesh = mesh["dp_replicate", "dp_shard"] if options.data_parallel_mode == "hsdp" else mesh["dp"]
-        apply_data_parallel(options.data_parallel_mode, dp_mesh, blocks, roots, pipelined=runner is not None)
+        apply_data_parallel(
+            options.data_parallel_mode, dp_mesh, blocks, roots, pipelined=runner is not None, mp_policy=mp_policy
+        )
     return runner

@@ -166,7 +166,7 @@ def _returned(loss: torch.Tensor, runner: PipelineRunner) -> torch.Tensor:
 
 
 def training_step(
-    runner: PipelineRunner, module: LightningModule, batch: Any, optimizer: Any, loss_name: str
+    runner: PipelineRunner, module: LightningModule, batch: Any, optimizer: Any, loss_name: str, *, loss_scale: float = 1.0
 ) -> tuple[torch.Tensor, StashedGrads]:
     """Forward and backward of every micro-batch of ``batch``; returns the step's loss and the gradients
     set aside from Lightning's ``zero_grad`` (to put back in ``backward``).
@@ -189,7 +189,8 @@ def training_step(
         if zeroed_after:
             for p in params:
                 p.grad = None
-        loss = runner.train_step(inputs, target, 1.0 / (runner.microbatches * accumulate))
+        # Each micro-batch's share of the window's mean, times the precision plugin's loss scale.
+        loss = runner.train_step(inputs, target, loss_scale / (runner.microbatches * accumulate))
         if zeroed_after:
             stashed = [(p, p.grad) for p in params]
             for p in params:

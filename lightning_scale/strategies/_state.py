@@ -28,7 +28,7 @@ class _CopiedState:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """The layout, options, mesh and pipeline a module was cut and wrapped with.
+    """The layout, options, mesh, pipeline and FSDP2 precision policy a module was cut and wrapped with.
 
     It holds process groups, which cannot be copied: copying or pickling the module
     (``copy.deepcopy``, ``StochasticWeightAveraging``, ``torch.save``) leaves a marker instead, and
@@ -40,6 +40,8 @@ class ParallelState:
     options: ParallelOptions
     mesh: DeviceMesh
     pipeline: PipelineRunner | None
+    mp_policy: Any = None
+    """FSDP2's ``MixedPrecisionPolicy`` the module was sharded with (``None``: none)."""
 
     def attach(self, module: nn.Module) -> None:
         setattr(module, _STATE, self)

@@ -51,7 +51,8 @@ class ParallelSteps:
             with self._loss_context():
                 return super().training_step(*args, **kwargs)
         module = self.lightning_module
-        # The precision plugin's autocast (Lightning's own steps enter it around the module's step).
+        # The precision plugin's autocast (Lightning's own steps enter it around the module's step);
+        # with fp16 each micro-batch loss is multiplied by its loss scale inside the schedule.
         with self.precision_plugin.train_step_context(), self._loss_context():
             loss, self._stashed_grads = _pipeline.training_step(
                 self._pipeline,
@@ -59,6 +60,7 @@ class ParallelSteps:
                 args[0] if args else kwargs["batch"],
                 self.optimizers[0] if self.optimizers else None,
                 self.options.loss_names["train"],
+                loss_scale=self.precision_plugin.loss_scale,
             )
         return loss
 
@@ -68,9 +70,9 @@ class ParallelSteps:
             # loss_parallel's cross entropy must also be differentiated inside the context.
             with self._loss_context():
                 return super().backward(closure_loss, *args, **kwargs)
-        # The schedule ran the backward in training_step; the hooks run here, around the gradients
-        # it set aside.
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        # The schedule ran the backward in training_step (each micro-batch loss multiplied by the
+        # plugin's loss scale); the hooks run here, around the gradients it set aside.
+        self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         for param, grad in self._stashed_grads:
             param.grad = grad
         self._stashed_grads = []

@@ -26,9 +26,10 @@ from typing_extensions import override
 
 from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
 from lightning_scale.core.deferred_init import DeferredInit
-from lightning_scale.core.grad_norm import clip_grad_norm_, total_grad_norm
+from lightning_scale.core.grad_norm import GradientScope, gradient_stats, reduce_partial_grads_
 from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
 from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.plugins.precision import MixedPrecision, as_mesh_precision
 from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._deferred import DeferredModules
@@ -85,6 +86,11 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             from ``"train"``/``"val"``/``"test"`` to names; default ``train/loss``, ``val/loss``, ``test/loss``.
         find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view: passed to
             ``DistributedDataParallel`` (plain data parallelism only; FSDP2 needs none of them).
+
+    Precision is :class:`lightning_scale.plugins.MixedPrecision` (``Trainer(precision=...)``'s stock
+    plugins are replaced by it): autocast, or FSDP2's ``MixedPrecisionPolicy`` under the FSDP modes,
+    inside pipeline schedules too; clipping, ``train/grad_norm`` and the fp16 overflow decision share
+    one all-reduce over the whole mesh.
 
     Gradient accumulation (``Trainer(accumulate_grad_batches=k)``) reduces gradients over ``dp``
     once per optimizer step, on the window's last micro-step, in every mode: DDP's ``no_sync``,
@@ -144,6 +150,24 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._num_nodes = 1
+        self._default_precision: MixedPrecision | None = None
+
+    @property
+    @override
+    def precision_plugin(self) -> MixedPrecision:
+        """Always a :class:`~lightning_scale.plugins.MixedPrecision`: Lightning's stock plugins (what
+        ``Trainer(precision="bf16-mixed")`` builds) are replaced by the equivalent one, others refused."""
+        if self._precision_plugin is not None:
+            return self._precision_plugin  # type: ignore[return-value]
+        if self._default_precision is None:
+            self._default_precision = MixedPrecision("32-true")
+        return self._default_precision
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # None stays None: Lightning's connector reads `_precision_plugin` to tell a plugin given to the
+        # strategy from one given to the Trainer.
+        self._precision_plugin = None if precision_plugin is None else as_mesh_precision(precision_plugin)
 
     @property
     def num_nodes(self) -> int:
@@ -223,13 +247,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         o.check_layout(layout)
         module = self.lightning_module
         assert module is not None
-        if layout.pp > 1:
-            if getattr(self.precision_plugin, "scaler", None) is not None:
-                raise ValueError(
-                    f"precision='16-mixed' scales the loss with Lightning's GradScaler, which at pipeline_parallel="
-                    f"{layout.pp} never reaches the micro-batch losses inside the pipeline schedule: gradients would be "
-                    "unscaled without having been scaled. Use precision='bf16-mixed' (or '32-true') with pipelines."
-                )
         hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
         state = ParallelState.of(module, layout, hsdp, o)
         if state is not None:
@@ -262,9 +279,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which fails on
-        # a mix of DTensor and plain gradients; clip by the norm over every shard and stage instead.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         module = self.lightning_module
         if self.layout.pp > 1:
             # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
@@ -272,31 +286,28 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         self.model = self.precision_plugin.convert_module(self.model)
         deferred = self._plan_or_move_to_device(module)
         self._parallelize(module, deferred)
+        plugin = self.precision_plugin
+        plugin.device = self.root_device.type
+        # Clipping, train/grad_norm and the overflow decision: one all-reduce over the whole mesh.
+        plugin.gradient_scope = self._gradient_scope()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _norm_scope(self, optimizer: Any) -> tuple[list[Tensor], dict[str, Any]]:
-        """The optimizer's parameters, and how their global norm is taken (over stages, ties once)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._pipeline is None:
-            return params, {}
-        skip = self._pipeline.excluded_from_norm()
-        return params, {
-            "group": self.device_mesh["pp"].get_group(),
-            "norm_parameters": [p for p in params if id(p) not in skip],
-        }
+    def _gradient_scope(self) -> GradientScope:
+        """Which gradient pieces this rank counts in the model's norm: shards by each holder, copies
+        (replicas, tensor-parallel replicates) once, each pipeline stage its own, tied copies once."""
+        excluded = self._pipeline.excluded_from_norm() if self._pipeline is not None else ()
+        return GradientScope(self.device_mesh, stage_dim="pp", excluded=excluded)
 
     def gradient_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
         """The norm of the whole model's gradients (every shard, replica and stage), equal on every rank."""
-        params, scope = self._norm_scope(optimizer)
-        return total_grad_norm(scope.get("norm_parameters", params), norm_type, scope.get("group"))
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
-        params, scope = self._norm_scope(optimizer)
-        clip_grad_norm_(params, clip_val, **scope)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        reduce_partial_grads_(params)
+        norm = gradient_stats(params, self.precision_plugin.gradient_scope, norm_type).norm
+        return torch.tensor(norm, dtype=torch.float64)
 
     def _parallelize(self, module: LightningModule, deferred: DeferredInit | None = None) -> None:
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
@@ -308,6 +319,10 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         """
         o, layout = self.options, self.layout
         state = ParallelState.of(module, layout, None, None)
+        # With FSDP2 sharding, mixed precision is FSDP2's own policy (parameters cast for compute,
+        # fp32 shards), not autocast over fp32 shards.
+        sharded = layout.dp > 1 and o.data_parallel_mode != "ddp"
+        policy = self.precision_plugin.fsdp_policy() if sharded else None
         if state is None:
             check_not_wrapped(module)
             self._pipeline = parallelize(
@@ -318,15 +333,23 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
                 device=self.root_device,
                 tensor_parallel_plan=lambda m: tensor_parallel_plan(m, layout.tp, o),
                 example_batch=self._example_batch,
+                mp_policy=policy,
             )
             untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
                 hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
-                ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline).attach(module)
+                ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline, policy).attach(module)
             if deferred is not None:
                 self._materialize(module, deferred)
         else:
+            if state.mp_policy != policy:
+                raise ValueError(
+                    f"{type(module).__name__} was sharded by FSDP2 with mixed precision {state.mp_policy} by an earlier "
+                    f"Trainer; this one asks for {policy} (precision={self.precision_plugin.precision!r}). Use the same "
+                    "precision, or load the checkpoint into a fresh module."
+                )
             self._pipeline = state.pipeline
+        self.precision_plugin.fsdp_managed = policy is not None
         if self._pipeline is not None:
             # Fresh stages and schedules for this Trainer call: its micro-batch count and batch shape.
             self._pipeline.build(o.microbatches or 2 * layout.pp)

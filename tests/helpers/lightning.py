@@ -17,6 +17,7 @@ def quiet_trainer(**overrides: Any) -> Trainer:
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
+        "log_every_n_steps": 1,  # tests read every step's metrics
     }
     return Trainer(**(kwargs | overrides))
 

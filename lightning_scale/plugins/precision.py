@@ -1,0 +1,489 @@
+"""``MixedPrecision``: fp16 with one loss-scale decision for the whole mesh, bf16 that applies at every layout.
+
+What Lightning's own plugins leave out, and this one does:
+
+- **One decision, one collective.** After the backward (and the ``on_before_optimizer_step``
+  hooks) the global gradient norm and an overflow flag come from a single all-reduce over every
+  rank of every mesh dimension (``lightning_scale.core.grad_norm.gradient_stats``). Clipping,
+  ``train/grad_norm`` and the fp16 overflow decision all use it, so every rank skips the same steps
+  and holds the same scale. (torch's ``ShardedGradScaler`` reduces the flag over one group only.)
+- **Skipped means skipped.** On an overflow neither the optimizer nor the step-interval LR
+  schedulers step (Lightning steps the scheduler anyway: Lightning #5558); the schedule counts
+  good optimizer steps.
+- **A policy at the bottom.** Hysteresis, a minimum scale and what to do when fp16 overflows even
+  there (``lightning_scale.core.loss_scaler``).
+- **The same under a pipeline.** ``HybridParallelStrategy`` runs its schedules under this plugin's
+  autocast and multiplies each micro-batch loss by :attr:`MixedPrecision.loss_scale`; with FSDP2
+  data parallelism the mixed modes are FSDP2's own ``MixedPrecisionPolicy`` instead of autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_scale.core.checks import format_choices
+from lightning_scale.core.grad_norm import (
+    GradientScope,
+    GradientStats,
+    clip_grads_by_value_,
+    gradient_stats,
+    reduce_partial_grads_,
+    scale_grads_,
+)
+from lightning_scale.core.loss_scaler import DynamicLossScaler
+
+__all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision", "as_mesh_precision"]
+
+PRECISIONS = {
+    "fp16-mixed": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "32-true": "32-true",
+    "64-true": "64-true",
+}
+"""Accepted names → Lightning's precision string (``trainer.precision``)."""
+
+NONFINITE_POLICIES = ("ignore", "skip", "raise")
+_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_TRUE_DTYPE = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "64-true": torch.float64}
+_GUARDED = "_lightning_scale_lr_guard"
+_SCALER_DEFAULTS: dict[str, Any] = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "hysteresis": 1,
+    "min_scale": 1.0,
+    "min_scale_policy": "raise",
+}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class MixedPrecision(Precision):
+    """Precision for ``HybridParallelStrategy`` (and any other strategy).
+
+    Args:
+        precision: ``"fp16-mixed"`` (alias ``"16-mixed"``: fp16 autocast, dynamic loss scaling),
+            ``"bf16-mixed"`` (bf16 autocast), ``"bf16-true"`` (bf16 weights, gradients, optimizer state
+            and compute), ``"32-true"`` or ``"64-true"``. In the mixed modes weights, gradients and
+            optimizer state stay fp32.
+        device: the device type autocast runs on (``"cuda"``, ``"cpu"``, ...); default: the model's.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+            min_scale_policy: the fp16 loss scaler (``lightning_scale.core.loss_scaler``); fp16 only.
+            Defaults ``2**16``, ``2.0``, ``0.5``, ``2000``, ``1``, ``1.0``, ``"raise"``.
+        nonfinite_grads: bf16 and fp32 only: ``"skip"`` a step whose gradients are non-finite
+            (anywhere in the mesh; neither optimizer nor step-wise LR schedulers step), ``"raise"``
+            ``FloatingPointError``, or ``"ignore"`` (default: no check). fp16 always skips.
+        reduce_dtype: the dtype FSDP2 reduces gradients in, when the mixed modes run as FSDP2's
+            ``MixedPrecisionPolicy`` (``data_parallel_mode`` ``fsdp``, ``fsdp_grad_op``, ``hsdp``):
+            ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
+        norm_type: the p of the gradient norm that clipping, logging and overflow detection share.
+        log_grad_norm: log that norm as ``train/grad_norm`` (``GradNormMonitor`` turns this on
+            instead of taking a norm of its own).
+        log_nonfinite: on a step with non-finite gradients, warn (rank 0) with the names of the
+            parameters whose gradients were non-finite on any rank (one more collective, on those
+            steps only).
+
+    Logged on the optimizer steps the loggers write (``Trainer(log_every_n_steps=...)``):
+    ``precision/loss_scale`` (fp16) and ``precision/skipped_steps`` (fp16, or when
+    ``nonfinite_grads="skip"``), and ``train/grad_norm`` with ``log_grad_norm``.
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        *,
+        device: str | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
+        hysteresis: int | None = None,
+        min_scale: float | None = None,
+        min_scale_policy: str | None = None,
+        nonfinite_grads: str | None = None,
+        reduce_dtype: str | torch.dtype | None = "float32",
+        norm_type: float = 2.0,
+        log_grad_norm: bool = False,
+        log_nonfinite: bool = False,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not one of {format_choices(PRECISIONS)}.")
+        self.precision = PRECISIONS[precision]  # type: ignore[assignment]  # Lightning's name, as trainer.precision
+        fp16 = self.precision == "16-mixed"
+        given = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+            "hysteresis": hysteresis,
+            "min_scale": min_scale,
+            "min_scale_policy": min_scale_policy,
+        }
+        set_options = [f"{k}={v!r}" for k, v in given.items() if v is not None]
+        if set_options and not fp16:
+            raise ValueError(
+                f"{', '.join(set_options)}: loss-scaler options apply to precision='fp16-mixed' only; "
+                f"precision={precision!r} has fp32's exponent range and needs no loss scaling. Drop them, or use "
+                "precision='fp16-mixed'."
+            )
+        if nonfinite_grads is not None and nonfinite_grads not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite_grads={nonfinite_grads!r} is not one of {format_choices(NONFINITE_POLICIES)}.")
+        if fp16 and nonfinite_grads not in (None, "skip"):
+            raise ValueError(
+                f"nonfinite_grads={nonfinite_grads!r} with precision='fp16-mixed': fp16 skips every step whose "
+                "gradients overflow and backs the loss scale off; min_scale_policy says what happens when that keeps "
+                "happening at the minimum scale. Leave nonfinite_grads unset."
+            )
+        if isinstance(reduce_dtype, str):
+            if reduce_dtype not in _REDUCE_DTYPES:
+                raise ValueError(f"reduce_dtype={reduce_dtype!r} is not one of {format_choices(_REDUCE_DTYPES)}.")
+            reduce_dtype = _REDUCE_DTYPES[reduce_dtype]
+        elif reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES.values():
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} must be torch.float32, torch.bfloat16 or torch.float16.")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
+            norm_type == math.inf or norm_type > 0
+        ):
+            raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
+        self.device = device
+        self.scaler: DynamicLossScaler | None = None
+        if fp16:
+            options = {k: (_SCALER_DEFAULTS[k] if v is None else v) for k, v in given.items()}
+            self.scaler = DynamicLossScaler(**options, warn=lambda message: rank_zero_warn(message, category=RuntimeWarning))
+        self.nonfinite_grads = "skip" if fp16 else (nonfinite_grads or "ignore")
+        self.reduce_dtype = reduce_dtype
+        self.norm_type = float(norm_type)
+        self.log_grad_norm = log_grad_norm
+        self.log_nonfinite = log_nonfinite
+        self.skipped_steps = 0
+        """Optimizer steps skipped for non-finite gradients (fp16 overflows included)."""
+        self.last_step_skipped = False
+        self.gradient_scope = GradientScope()
+        """How this rank's gradients make up the model's (``HybridParallelStrategy`` sets it from its mesh)."""
+        self.fsdp_managed = False
+        """True while FSDP2's ``MixedPrecisionPolicy`` casts the parameters (no autocast then)."""
+        self._stats: GradientStats | None = None
+        self._unscaled = False
+
+    # ------------------------------------------------------------------ what the model computes in
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in."""
+        return _COMPUTE_DTYPE.get(self.precision, _TRUE_DTYPE.get(self.precision, torch.float32))
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision in _COMPUTE_DTYPE
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor each loss is multiplied by before its backward (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's policy for the mixed modes: parameters cast to the compute dtype for forward and
+        backward, fp32 sharded master weights, gradients reduced in ``reduce_dtype``; ``None`` otherwise."""
+        if not self.is_mixed:
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+
+    def _device_type(self) -> str:
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @override
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        if self.device is None:
+            real = next((p for p in model.parameters() if not p.is_meta), None)
+            if real is not None:
+                self.device = real.device.type
+        return model, optimizers, lr_schedulers
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        dtype = _TRUE_DTYPE.get(self.precision)
+        return module.to(dtype=dtype) if dtype is not None and dtype != torch.float32 else module
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        dtype = _TRUE_DTYPE.get(self.precision)
+        return _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        dtype = _TRUE_DTYPE.get(self.precision)
+        if dtype is None or dtype == torch.float32:
+            return data
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.is_mixed:
+            if self.fsdp_managed:  # FSDP2 casts the parameters; autocast over them would change nothing
+                yield
+                return
+            with torch.autocast(self._device_type(), dtype=self.compute_dtype, cache_enabled=False):
+                yield
+            return
+        with self.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ backward and the step
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        tensor = super().pre_backward(tensor, module)  # the hooks see the loss itself
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def _params(self, optimizer: Any) -> list[Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _unscale(self, optimizer: Any) -> None:
+        """Once per step, before hooks and clipping see the gradients: finish reductions left pending
+        (``Partial`` DTensor gradients), and divide by the loss scale."""
+        if self._unscaled:
+            return
+        params = self._params(optimizer)
+        reduce_partial_grads_(params)
+        if self.scaler is not None:
+            scale_grads_(params, self.scaler.inv_scale)
+        self._unscaled = True
+
+    def gradient_stats(self, optimizer: Any) -> GradientStats:
+        """This step's global gradient norm and overflow flag (one collective, taken once per step)."""
+        if self._stats is None:
+            self._unscale(optimizer)
+            self._stats = gradient_stats(self._params(optimizer), self.gradient_scope, self.norm_type)
+        return self._stats
+
+    def _needs_stats(self, logging: bool = True) -> bool:
+        return self.scaler is not None or self.nonfinite_grads != "ignore" or (self.log_grad_norm and logging)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        try:
+            return self._optimizer_step(optimizer, model, closure, **kwargs)
+        finally:
+            # The next step starts afresh (in manual optimisation clip_gradients may run before step()).
+            self._stats, self._unscaled = None, False
+
+    def _optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if isinstance(optimizer, LBFGS):
+            if self.scaler is not None or self.nonfinite_grads != "ignore":
+                raise ValueError(
+                    f"{type(optimizer).__name__} re-evaluates its closure inside step(), so a step cannot be decided "
+                    f"before it runs, as precision={self.precision!r} with nonfinite_grads={self.nonfinite_grads!r} "
+                    "needs. Use precision='32-true' or 'bf16-mixed' with nonfinite_grads='ignore'."
+                )
+
+            def fresh() -> Any:  # every evaluation has new gradients
+                self._stats, self._unscaled = None, False
+                return closure()
+
+            return super().optimizer_step(optimizer, model=model, closure=fresh, **kwargs)
+        result = closure()
+        if result is None and model.automatic_optimization:
+            # training_step returned None: no backward ran, nothing to scale or check.
+            return optimizer.step(**kwargs)
+        self._unscale(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        step = True
+        # Metrics are logged when the loggers write (every log_every_n_steps): a log call costs more
+        # than the scaler's own work on small models.
+        connector = getattr(model.trainer, "_logger_connector", None)
+        logging = bool(getattr(connector, "should_update_logs", True))
+        if self._needs_stats(logging) or self._stats is not None:
+            stats = self.gradient_stats(optimizer)
+            step = self._decide(stats, model, optimizer)
+            if logging:
+                self._log(model, stats)
+        self.last_step_skipped = not step
+        self._guard_lr_schedulers(model.trainer)
+        return optimizer.step(**kwargs) if step else result
+
+    def _decide(self, stats: GradientStats, model: LightningModule, optimizer: Any) -> bool:
+        """Step or skip, identically on every rank (``stats`` came from one all-reduce)."""
+        if not stats.finite:
+            if self.nonfinite_grads == "skip":
+                self.skipped_steps += 1
+            names = self._nonfinite_names(stats, model, optimizer) if self.log_nonfinite else []
+            if names:
+                rank_zero_warn(
+                    f"Non-finite gradients at global step {model.trainer.global_step} in {len(names)} parameters: "
+                    f"{', '.join(names[:20])}{' ...' if len(names) > 20 else ''}",
+                    category=RuntimeWarning,
+                )
+            if self.nonfinite_grads == "raise":
+                raise FloatingPointError(
+                    f"The gradients are non-finite at global step {model.trainer.global_step} (global norm "
+                    f"{stats.norm}) and nonfinite_grads='raise'. Use nonfinite_grads='skip' to skip such steps, "
+                    "lower the learning rate, or clip gradients."
+                )
+        if self.scaler is not None:
+            return self.scaler.update(overflow=not stats.finite).step
+        return stats.finite or self.nonfinite_grads == "ignore"
+
+    def _nonfinite_names(self, stats: GradientStats, model: LightningModule, optimizer: Any) -> list[str]:
+        """Every rank's non-finite parameter names (one all_gather_object, on such steps only)."""
+        params = self._params(optimizer)
+        names = {id(p): n for n, p in model.named_parameters()}
+        local = sorted({names.get(id(params[i]), f"<parameter {i}>") for i in stats.nonfinite_local})
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return local
+        everyone: list[list[str]] = [[] for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather_object(everyone, local)
+        return sorted({n for rank in everyone for n in rank})
+
+    def _log(self, model: LightningModule, stats: GradientStats) -> None:
+        def log(name: str, value: float) -> None:
+            model.log(name, value, on_step=True, on_epoch=False, logger=True, prog_bar=False)
+
+        if self.log_grad_norm:
+            log("train/grad_norm", stats.norm)
+        if self.scaler is not None:
+            log("precision/loss_scale", self.scaler.scale)
+        if self.scaler is not None or self.nonfinite_grads == "skip":
+            log("precision/skipped_steps", float(self.skipped_steps))
+
+    def _guard_lr_schedulers(self, trainer: Trainer) -> None:
+        """Make the fit loop leave the step-interval LR schedulers alone after a skipped optimizer step.
+
+        Lightning steps them after every optimizer step it asked for (Lightning #5558): wrap the
+        training epoch loop's ``_update_learning_rates`` (once per loop) so that a step-interval
+        update after a skipped step does nothing. Epoch-interval schedulers step as usual.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        if loop.__dict__.get(_GUARDED):
+            return
+        update = loop._update_learning_rates
+        plugin = self
+
+        def guarded(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and plugin.last_step_skipped:
+                return
+            update(interval=interval, update_plateau_schedulers=update_plateau_schedulers)
+
+        loop._update_learning_rates = guarded  # type: ignore[method-assign]
+        loop.__dict__[_GUARDED] = True
+
+    # ------------------------------------------------------------------ clipping
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        self._unscale(optimizer)  # manual optimisation clips before optimizer.step()
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            clip_grads_by_value_(self._params(optimizer), float(clip_val))
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Scale the gradients so the whole model's norm is at most ``clip_val`` (the step's shared norm;
+        nothing on a step that overflowed, which is skipped)."""
+        stats = self.gradient_stats(optimizer)
+        if stats.finite:
+            coef = min(1.0, float(clip_val) / (stats.norm + 1e-6))
+            if coef < 1.0:
+                scale_grads_(self._params(optimizer), coef)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grads_by_value_(self._params(optimizer), float(clip_val))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Scale, its counters and the skipped-step count: equal on every rank, saved in Lightning's checkpoints."""
+        state: dict[str, Any] = {"precision": self.precision, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "_growth_tracker" in state_dict:
+            # torch.amp.GradScaler's (a checkpoint of Lightning's own 16-mixed plugin): its scale and growth.
+            if self.scaler is not None:
+                self.scaler.scale = float(state_dict["scale"])
+                self.scaler.growth_tracker = int(state_dict["_growth_tracker"])
+            return
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+
+def as_mesh_precision(plugin: Precision | None) -> MixedPrecision:
+    """The :class:`MixedPrecision` that does what ``plugin`` (one of Lightning's stock plugins, which
+    the Trainer builds from ``precision="..."``) asks for; ``ValueError`` for any other plugin."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
+
+    if plugin is None or type(plugin) is Precision:
+        return MixedPrecision("32-true")
+    if isinstance(plugin, MixedPrecision):
+        return plugin
+    if type(plugin) is DoublePrecision:
+        return MixedPrecision("64-true")
+    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
+        return MixedPrecision("bf16-true")
+    if type(plugin) is LightningMixedPrecision:
+        if plugin.scaler is None:
+            return MixedPrecision("bf16-mixed", device=plugin.device)
+        scaler = plugin.scaler
+        return MixedPrecision(
+            "fp16-mixed",
+            device=plugin.device,
+            init_scale=float(scaler.get_scale()),
+            growth_factor=float(scaler.get_growth_factor()),
+            backoff_factor=float(scaler.get_backoff_factor()),
+            growth_interval=int(scaler.get_growth_interval()),
+        )
+    valid = ", ".join(repr(p) for p in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "64-true"))
+    raise ValueError(
+        f"HybridParallelStrategy runs precision through lightning_scale.plugins.MixedPrecision (one overflow decision "
+        f"for the whole mesh, applied inside pipeline schedules), and cannot use {type(plugin).__name__}"
+        f"(precision={getattr(plugin, 'precision', None)!r}). Pass Trainer(precision=...) with one of {valid}, or "
+        "plugins=[lightning_scale.plugins.MixedPrecision(...)]."
+    )
