@@ -19,6 +19,7 @@ from helpers.lightning import quiet_trainer
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -166,6 +167,15 @@ def _fit(
         {str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
     )
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    # FSDP2's policy per sharded module: (param, reduce, output) dtypes.
+    result["fsdp_policies"] = sorted(
+        {
+            tuple(str(d) for d in (m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype,
+                                   m._get_fsdp_state()._mp_policy.output_dtype))
+            for m in module.modules()
+            if isinstance(m, FSDPModule)
+        }
+    )  # fmt: skip
     return result
 
 
@@ -214,6 +224,9 @@ WORLD2: dict[str, Any] = {
     "bf16-tp2": lambda w: _fit(_hybrid(tp=w), w, "bf16-mixed"),
     "bf16-dp2-fsdp": lambda w: _fit(_hybrid(dp=w, data_parallel_mode="fsdp"), w, "bf16-mixed"),
     "bf16-dp2-hsdp": lambda w: _fit(_hybrid(dp=w, data_parallel_mode="hsdp"), w, "bf16-mixed"),
+    "bf16-dp2-fsdp-reduce-bf16": lambda w: _fit(
+        _hybrid(dp=w, data_parallel_mode="fsdp_grad_op"), w, MixedPrecision("bf16-mixed", reduce_dtype="bfloat16")
+    ),
     "fp16-inject-tp2": lambda w: _fit(_hybrid(tp=w), w, _fp16(), watch=Watch((1, "model.blocks.0.mlp.fc.weight"))),
     # Rank 0 holds the first stage, which has no loss.
     "fp16-inject-pp2": lambda w: _fit(_hybrid(pp=w), w, _fp16(), watch=Watch((0, "model.blocks.0.mlp.fc.weight"))),
@@ -272,6 +285,15 @@ def test_bf16_computes_in_bf16_on_every_rank_and_follows_one_process(
     _check_bf16(world2[case], bf16_reference, fsdp=case.endswith("sdp"))
 
 
+def test_fsdp_runs_mixed_precision_as_its_own_policy(world2: dict[str, list[Any]]) -> None:
+    bf16, fp32, none = "torch.bfloat16", "torch.float32", "None"
+    # Blocks keep bf16 outputs; the modules the step calls return fp32 (the loss is computed in fp32).
+    assert world2["bf16-dp2-fsdp"][0]["fsdp_policies"] == [(bf16, fp32, none), (bf16, fp32, fp32)]
+    assert world2["bf16-dp2-fsdp-reduce-bf16"][0]["fsdp_policies"] == [(bf16, bf16, none), (bf16, bf16, fp32)]
+    assert world2["bf16-dp2-fsdp-reduce-bf16"][0]["weight_dtypes"] == [bf16]
+    assert world2["bf16-tp2"][0]["fsdp_policies"] == []  # autocast there
+
+
 def test_bf16_at_dp2_tp2_pp2(world8: dict[str, list[Any]], bf16_reference: dict[str, Any]) -> None:
     _check_bf16(world8["bf16-3d"], bf16_reference)
 
@@ -296,6 +318,15 @@ def _check_injected(results: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("case", ["fp16-inject-tp2", "fp16-inject-pp2", "fp16-inject-dp2-fsdp"])
 def test_an_inf_on_one_rank_skips_the_same_step_everywhere(world2: dict[str, list[Any]], case: str) -> None:
     _check_injected(world2[case])
+
+
+def test_the_loss_scale_reaches_the_pipeline_schedule(world2: dict[str, list[Any]]) -> None:
+    # Before the injected step, fp16 gradient norms (unscaled) agree across layouts: the pipeline's
+    # micro-batch losses were scaled as much as the others' were unscaled.
+    norms = {case: [s["grad_norm"] for s in world2[case][0]["steps"][:INJECT_STEP]] for case in
+             ("fp16-inject-tp2", "fp16-inject-pp2", "fp16-inject-dp2-fsdp")}  # fmt: skip
+    for case, values in norms.items():
+        torch.testing.assert_close(values, norms["fp16-inject-tp2"], rtol=2e-2, atol=0, msg=case)
 
 
 def test_an_inf_on_one_rank_skips_the_same_step_at_dp2_tp2_pp2(world8: dict[str, list[Any]]) -> None:
@@ -410,3 +441,18 @@ def test_an_optimizer_that_re_evaluates_its_closure_is_refused_with_fp16_and_run
     trainer = quiet_trainer(devices=1, strategy="hybrid", precision="bf16-mixed", max_steps=1, callbacks=[GradNormMonitor()])
     trainer.fit(_LBFGSModule(CONFIG), datamodule=data)
     assert trainer.global_step == 1
+
+
+def test_bf16_true_keeps_weights_gradients_and_optimizer_state_in_bf16() -> None:
+    class Dtypes(Callback):
+        def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+            self.grads = {str(p.grad.dtype) for p in pl_module.parameters()}
+
+    dtypes = Dtypes()
+    seed_everything(0, verbose=False)
+    trainer = quiet_trainer(devices=1, strategy="hybrid", precision="bf16-true", max_steps=2, callbacks=[dtypes])
+    module = GPTLightningModule(CONFIG, warmup_steps=1)
+    trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+    state = [v for s in trainer.optimizers[0].state.values() for k, v in s.items() if k == "exp_avg"]
+    assert {str(p.dtype) for p in module.parameters()} == {"torch.bfloat16"} == dtypes.grads
+    assert {str(v.dtype) for v in state} == {"torch.bfloat16"}
