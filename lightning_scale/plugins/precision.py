@@ -101,7 +101,7 @@ class MixedPrecision(Precision):
             ``FloatingPointError``, or ``"ignore"`` (default: no check). fp16 always skips.
         reduce_dtype: the dtype FSDP2 reduces gradients in, when the mixed modes run as FSDP2's
             ``MixedPrecisionPolicy`` (``data_parallel_mode`` ``fsdp``, ``fsdp_grad_op``, ``hsdp``):
-            ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
+            ``"float32"`` (default), ``"bfloat16"``, ``"float16"``, or ``None`` (the compute dtype).
         norm_type: the p of the gradient norm that clipping, logging and overflow detection share.
         log_grad_norm: log that norm as ``train/grad_norm`` (``GradNormMonitor`` turns this on
             instead of taking a norm of its own).
