@@ -1,0 +1,278 @@
+"""The on-disk checkpoint format (``../shared/DESIGN.md``): one directory per checkpoint, committed
+atomically, with a manifest that makes it verifiable. No Lightning, no process group.
+
+A checkpoint is a directory such as ``checkpoints/step-000123/`` holding the shard files (DCP's
+``.distcp`` files and ``.metadata``, or anything else) and ``manifest.json``, written last. It is
+built in a hidden staging sibling (:func:`staging_dir`) and renamed into place by :func:`commit`
+once the manifest is there, so a crash at any moment leaves either no directory or a complete one;
+a directory without a valid manifest is not a checkpoint. :func:`verify` checks every file the
+manifest lists (present, same size, same SHA-256) and names the first that is not; :func:`latest`
+is the newest checkpoint under a root that verifies, warning about each broken one it passes.
+
+Several processes write one checkpoint: each hashes the files it wrote (:func:`file_entries`) and
+one of them writes the manifest from everybody's entries (:func:`write_manifest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "CheckpointCorruptError",
+    "Checkpoint",
+    "checkpoint_name",
+    "commit",
+    "file_entries",
+    "find_checkpoints",
+    "latest",
+    "retained",
+    "staged_name",
+    "staging_dir",
+    "verify",
+    "write_manifest",
+]
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-zA-Z_-]+$")
+_CHUNK = 1 << 20
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint directory that does not verify; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and what its manifest says."""
+
+    path: Path
+    step: int
+    manifest: Mapping[str, Any]
+
+
+def checkpoint_name(step: int) -> str:
+    """``step-000123``: the directory name of the checkpoint taken after ``step`` optimizer steps."""
+    if step < 0:
+        raise ValueError(f"step={step} must be 0 or more.")
+    return f"step-{step:06d}"
+
+
+def staging_dir(final: Path, token: str) -> Path:
+    """The hidden sibling a checkpoint is written into before :func:`commit` renames it to ``final``.
+    ``token`` must be the same on every process writing it (e.g. broadcast from rank 0)."""
+    if not re.fullmatch(r"[0-9a-zA-Z_-]+", token):
+        raise ValueError(f"token={token!r} must be letters, digits, '_' or '-'.")
+    final = Path(final)
+    return final.parent / f".{final.name}.staging-{token}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entries(root: Path, files: Iterable[Path | str]) -> list[dict[str, Any]]:
+    """Manifest entries (relative path, size, SHA-256) of ``files`` under ``root``, each read once."""
+    root = Path(root)
+    entries = []
+    for file in files:
+        path = Path(file)
+        path = path if path.is_absolute() else root / path
+        relative = path.resolve().relative_to(root.resolve()).as_posix()
+        entries.append({"path": relative, "bytes": path.stat().st_size, "sha256": _sha256(path)})
+    return entries
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(staging: Path, entries: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``manifest.json`` into ``staging``: the files (every process's :func:`file_entries`), the
+    format version, a time stamp and ``metadata`` (layout, step, versions, ...; JSON values only)."""
+    paths = [e["path"] for e in entries]
+    if len(set(paths)) != len(paths):
+        duplicated = sorted({p for p in paths if paths.count(p) > 1})
+        raise ValueError(f"Two processes listed the same checkpoint files: {duplicated[:5]}.")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created_unix_s": time.time(),
+        **dict(metadata),
+        "files": sorted((dict(e) for e in entries), key=lambda e: e["path"]),
+    }
+    text = json.dumps(manifest, indent=2, sort_keys=False)  # raises TypeError for non-JSON metadata
+    tmp = Path(staging) / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(staging) / MANIFEST)
+    _fsync_dir(Path(staging))
+    return manifest
+
+
+def commit(staging: Path, final: Path) -> Path:
+    """Rename a staged checkpoint (with its manifest) to ``final``, atomically.
+
+    An existing ``final`` (a checkpoint of the same name: ``last``, or a step saved again) is moved
+    aside first and deleted only once the new one is in place, so some complete checkpoint exists
+    under a name at every moment.
+    """
+    staging, final = Path(staging), Path(final)
+    if not (staging / MANIFEST).is_file():
+        raise CheckpointCorruptError(f"{staging} has no {MANIFEST}: write the manifest before committing.")
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.replaced-{os.getpid()}-{time.monotonic_ns()}"
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointCorruptError(f"{manifest_path} is missing: {path} is not a (complete) checkpoint.")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointCorruptError(f"{manifest_path} is not valid JSON ({err}).") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise CheckpointCorruptError(f"{manifest_path} has no list of files.")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{manifest_path} has format_version={manifest.get('format_version')!r}; this lightning-scale reads "
+            f"version {FORMAT_VERSION}."
+        )
+    return manifest
+
+
+def _inside(root: Path, relative: Any) -> Path:
+    """``root / relative``, refusing a manifest path that would leave the checkpoint directory."""
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointCorruptError(f"{root / MANIFEST} lists a file with no path: {relative!r}.")
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in relative:
+        raise CheckpointCorruptError(f"{root / MANIFEST} lists {relative!r}, a path outside the checkpoint directory.")
+    return root / pure
+
+
+def verify(path: Path, *, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` after checking every file it lists: present, of the
+    recorded size and (``checksums``) SHA-256. ``CheckpointCorruptError`` names the first bad file."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for entry in manifest["files"]:
+        file = _inside(path, entry.get("path") if isinstance(entry, dict) else None)
+        if not file.is_file():
+            raise CheckpointCorruptError(f"{file} is missing (listed in {path / MANIFEST}).")
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointCorruptError(
+                f"{file} has {size} bytes, the manifest says {entry.get('bytes')}: truncated or overwritten."
+            )
+        if checksums and _sha256(file) != entry.get("sha256"):
+            raise CheckpointCorruptError(f"{file} does not match its SHA-256 in {path / MANIFEST}: corrupted.")
+    return manifest
+
+
+def _scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
+    """Committed checkpoints under ``root`` (readable manifest), and the other non-hidden directories
+    holding files, with why they are not checkpoints."""
+    root = Path(root)
+    good: list[Checkpoint] = []
+    bad: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return good, bad
+    for child in sorted(root.iterdir()):
+        if not child.is_dir() or child.name.startswith("."):
+            continue  # staging and replaced directories are hidden
+        try:
+            manifest = _read_manifest(child)
+        except CheckpointCorruptError as err:
+            if any(child.iterdir()):
+                bad.append((child, str(err)))
+            continue
+        step = manifest.get("global_step")
+        good.append(Checkpoint(child, step if isinstance(step, int) else -1, manifest))
+    good.sort(key=lambda c: (c.step, float(c.manifest.get("created_unix_s", 0.0)), c.path.name))
+    return good, bad
+
+
+def find_checkpoints(root: Path) -> list[Checkpoint]:
+    """Committed checkpoint directories under ``root`` with a readable manifest, oldest first (by the
+    manifest's ``global_step``, then its time stamp). Staging and replaced directories are skipped."""
+    return _scan(root)[0]
+
+
+def latest(root: Path) -> Checkpoint | None:
+    """The newest checkpoint under ``root`` that verifies. Every broken one passed over, and every
+    directory whose manifest is missing or unreadable, gets a warning naming it."""
+    good, bad = _scan(root)
+    for path, why in bad:
+        warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=2)
+    for checkpoint in reversed(good):
+        try:
+            verify(checkpoint.path)
+        except CheckpointCorruptError as err:
+            warnings.warn(f"Skipping the broken checkpoint {checkpoint.path}: {err}", RuntimeWarning, stacklevel=2)
+            continue
+        return checkpoint
+    return None
+
+
+def retained(
+    checkpoints: Sequence[Checkpoint], *, keep_last: int, keep_every: int | None = None, protect: Iterable[Path] = ()
+) -> tuple[list[Checkpoint], list[Checkpoint]]:
+    """``(keep, delete)``: the newest ``keep_last`` (by step), those whose step is a multiple of
+    ``keep_every``, and every path in ``protect`` (the checkpoint being resumed from) are kept.
+
+    The caller passes checkpoints that verify; the newest of them is always kept, so a run never
+    deletes the only good checkpoint it has.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last={keep_last!r} must be an integer of at least 1 (the newest is always kept).")
+    if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
+        raise ValueError(f"keep_every={keep_every!r} must be a positive integer or None.")
+    protected = {Path(p).resolve() for p in protect}
+    ordered = sorted(checkpoints, key=lambda c: c.step)
+    newest = {id(c) for c in ordered[-keep_last:]}
+    keep, delete = [], []
+    for c in ordered:
+        every = keep_every is not None and c.step >= 0 and c.step % keep_every == 0
+        (keep if id(c) in newest or every or c.path.resolve() in protected else delete).append(c)
+    return keep, delete
+
+
+def staged_name(path: Path) -> str | None:
+    """The checkpoint name a staging directory is for (``None``: not a staging directory)."""
+    match = _STAGING.match(Path(path).name)
+    return match.group("name") if match else None

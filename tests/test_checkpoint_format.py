@@ -1,0 +1,184 @@
+"""The checkpoint directory format (``lightning_scale.core.checkpoint_format``): atomic commit, the
+manifest, verification naming the broken file, ``latest`` falling back, retention. No process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lightning_scale.core.checkpoint_format import (
+    MANIFEST,
+    CheckpointCorruptError,
+    checkpoint_name,
+    commit,
+    file_entries,
+    find_checkpoints,
+    latest,
+    retained,
+    staged_name,
+    staging_dir,
+    verify,
+    write_manifest,
+)
+
+
+def _save(root: Path, step: int, payload: bytes = b"weights", token: str = "t0") -> Path:
+    """What two processes would do: each writes and hashes its shard; one writes the manifest; commit."""
+    final = root / checkpoint_name(step)
+    staging = staging_dir(final, token)
+    staging.mkdir(parents=True)
+    entries = []
+    for rank in range(2):
+        shard = staging / f"__{rank}_0.distcp"
+        shard.write_bytes(payload * (rank + 1))
+        entries += file_entries(staging, [shard.name])
+    (staging / ".metadata").write_bytes(b"meta")
+    entries += file_entries(staging, [".metadata"])
+    write_manifest(staging, entries, {"global_step": step, "layout": {"dp": 2, "tp": 1, "pp": 1}})
+    return commit(staging, final)
+
+
+def test_a_committed_checkpoint_verifies_and_lists_its_files(tmp_path: Path) -> None:
+    path = _save(tmp_path, 7)
+    assert path.name == "step-000007" and not list(tmp_path.glob(".*"))  # the staging directory is gone
+    manifest = verify(path)
+    assert manifest["global_step"] == 7 and manifest["layout"] == {"dp": 2, "tp": 1, "pp": 1}
+    assert [f["path"] for f in manifest["files"]] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert manifest["files"][2]["bytes"] == len(b"weights") * 2
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda p: (p / "__1_0.distcp").write_bytes(b"weightsweightX"), r"__1_0.distcp does not match its SHA-256"),
+        (lambda p: (p / "__0_0.distcp").write_bytes(b"wei"), r"__0_0.distcp has 3 bytes, the manifest says 7: truncated"),
+        (lambda p: (p / "__1_0.distcp").unlink(), r"__1_0.distcp is missing"),
+        (lambda p: (p / MANIFEST).unlink(), r"manifest.json is missing: .* is not a \(complete\) checkpoint"),
+        (lambda p: (p / MANIFEST).write_text("{not json"), r"manifest.json is not valid JSON"),
+    ],
+    ids=["flipped-byte", "truncated", "shard-deleted", "manifest-deleted", "manifest-garbled"],
+)
+def test_verify_names_the_broken_file(tmp_path: Path, damage, match: str) -> None:
+    path = _save(tmp_path, 3)
+    damage(path)
+    with pytest.raises(CheckpointCorruptError, match=match):
+        verify(path)
+
+
+def test_a_manifest_cannot_point_outside_its_directory(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1)
+    (tmp_path / "secret").write_bytes(b"x")
+    manifest = json.loads((path / MANIFEST).read_text())
+    for bad in ("../secret", "/etc/passwd"):
+        manifest["files"] = [{"path": bad, "bytes": 1, "sha256": "0"}]
+        (path / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointCorruptError, match="a path outside the checkpoint directory"):
+            verify(path)
+
+
+def test_latest_skips_broken_checkpoints_with_a_warning_that_names_them(tmp_path: Path) -> None:
+    _save(tmp_path, 10)
+    newest = _save(tmp_path, 20)
+    assert latest(tmp_path).path == newest
+    (newest / "__0_0.distcp").write_bytes(b"WEIGHTS")  # same size, other bytes
+    with pytest.warns(RuntimeWarning, match=r"Skipping the broken checkpoint .*step-000020.*__0_0.distcp"):
+        assert latest(tmp_path).path.name == "step-000010"
+    # A crash before the manifest was written leaves a directory that is not a checkpoint at all.
+    crashed = tmp_path / "step-000030"
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"partial")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest(tmp_path).path.name == "step-000010"
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert re.search(r"Skipping .*step-000030, not a checkpoint: .*manifest.json is missing", messages[0])
+    assert "step-000020" in messages[1]
+    assert [c.step for c in find_checkpoints(tmp_path)] == [10, 20]
+    assert latest(tmp_path / "nowhere") is None
+
+
+def test_a_crash_before_commit_leaves_only_a_hidden_staging_directory(tmp_path: Path) -> None:
+    _save(tmp_path, 1)
+    staging = staging_dir(tmp_path / checkpoint_name(2), "abc")
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"half")
+    assert staged_name(staging) == "step-000002" and staged_name(tmp_path / "step-000001") is None
+    assert [c.step for c in find_checkpoints(tmp_path)] == [1]
+    with pytest.raises(CheckpointCorruptError, match="has no manifest.json: write the manifest before committing"):
+        commit(staging, tmp_path / checkpoint_name(2))
+
+
+def test_committing_over_an_existing_name_replaces_it_whole(tmp_path: Path) -> None:
+    first = _save(tmp_path, 5, payload=b"old")
+    again = _save(tmp_path, 5, payload=b"new", token="t1")
+    assert again == first and (again / "__0_0.distcp").read_bytes() == b"new"
+    verify(again)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000005"]  # nothing left aside
+
+
+def test_retention_keeps_the_newest_every_nth_and_the_protected(tmp_path: Path) -> None:
+    for step in (100, 200, 300, 400, 500):
+        _save(tmp_path, step)
+    found = find_checkpoints(tmp_path)
+    keep, delete = retained(found, keep_last=2, keep_every=200, protect=[tmp_path / "step-000100"])
+    assert [c.step for c in keep] == [100, 200, 400, 500] and [c.step for c in delete] == [300]
+    keep, delete = retained(found[:1], keep_last=1)
+    assert [c.step for c in keep] == [100] and delete == []
+    with pytest.raises(ValueError, match=r"keep_last=0 must be an integer of at least 1"):
+        retained(found, keep_last=0)
+    with pytest.raises(ValueError, match=r"keep_every=0 must be a positive integer or None"):
+        retained(found, keep_last=1, keep_every=0)
+
+
+def test_bad_names_and_metadata_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"step=-1 must be 0 or more"):
+        checkpoint_name(-1)
+    with pytest.raises(ValueError, match=r"token='a/b' must be letters, digits"):
+        staging_dir(tmp_path / "step-000001", "a/b")
+    staging = tmp_path / "s"
+    staging.mkdir()
+    with pytest.raises(ValueError, match=r"Two processes listed the same checkpoint files: \['x'\]"):
+        write_manifest(staging, [{"path": "x", "bytes": 1, "sha256": "0"}] * 2, {})
+    with pytest.raises(TypeError):
+        write_manifest(staging, [], {"not_json": object()})
+    assert not (staging / MANIFEST).exists() and os.listdir(staging) == []
+
+
+def _save_tp2(rank: int, world: int, root: str) -> list[str]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_scale.core.sharded_checkpoint import save_sharded
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3), "step": 3}
+    path = save_sharded(Path(root) / checkpoint_name(3), state, metadata={"global_step": 3}, token="tok")
+    return sorted(p.name for p in path.iterdir())
+
+
+def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: Path) -> None:
+    import torch
+    from helpers.distributed import run_distributed
+
+    from lightning_scale.core.sharded_checkpoint import load_sharded
+
+    files = run_distributed(_save_tp2, 2, str(tmp_path), timeout=120)[0]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
+    manifest = verify(tmp_path / "step-000003")
+    assert [f["path"] for f in manifest["files"]] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # Loaded elsewhere, unsharded, with no process group: DCP reshards.
+    state = {"w": torch.zeros(8, 4), "b": torch.zeros(3), "step": 0}
+    load_sharded(tmp_path / "step-000003", state)
+    assert torch.equal(state["w"], torch.arange(32, dtype=torch.float32).reshape(8, 4))
+    assert torch.equal(state["b"], torch.ones(3)) and state["step"] == 3
+    (tmp_path / "step-000003" / "__1_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointCorruptError, match=r"__1_0.distcp has 1 bytes"):
+        load_sharded(tmp_path / "step-000003", state)
