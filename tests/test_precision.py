@@ -108,7 +108,7 @@ class Watch(Callback):
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "scheduler_steps": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
                 "collectives": collectives,
-                "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
+                "grad_norm": float(norm) if (norm := trainer.callback_metrics.get("train/grad_norm")) is not None else None,
             }
         )
         if trainer.global_step == INJECT_STEP + 1 and self.before:
@@ -456,3 +456,54 @@ def test_bf16_true_keeps_weights_gradients_and_optimizer_state_in_bf16() -> None
     state = [v for s in trainer.optimizers[0].state.values() for k, v in s.items() if k == "exp_avg"]
     assert {str(p.dtype) for p in module.parameters()} == {"torch.bfloat16"} == dtypes.grads
     assert {str(v.dtype) for v in state} == {"torch.bfloat16"}
+
+
+class _ManualModule(GPTLightningModule):
+    """Manual optimisation the usual way: backward, clip, step, then the scheduler by hand."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config, warmup_steps=1)
+        self.automatic_optimization = False
+        self.norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        self.norms.append(self.trainer.precision_plugin.gradient_stats(optimizer.optimizer).norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if not self.trainer.precision_plugin.last_step_skipped:
+            self.lr_schedulers().step()
+        return loss
+
+
+def test_manual_optimisation_scales_unscales_once_and_steps() -> None:
+    norms = {}
+    for precision in (_fp16(), MixedPrecision("32-true")):
+        seed_everything(0, verbose=False)
+        module = _ManualModule(CONFIG)
+        trainer = quiet_trainer(devices=1, strategy="hybrid", plugins=[precision], max_steps=2)
+        trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+        norms[precision.precision] = module.norms
+    # Clipped before step() and read again at the step: unscaled once, so fp16's norm is fp32's.
+    torch.testing.assert_close(norms["16-mixed"], norms["32-true"], rtol=2e-2, atol=0)
+    assert trainer.global_step == 2
+
+
+def test_fp16_with_gradient_accumulation_scales_every_micro_batch_alike() -> None:
+    results = {}
+    for precision in (_fp16(), MixedPrecision("32-true")):
+        seed_everything(0, verbose=False)
+        watch = Watch()
+        trainer = quiet_trainer(
+            devices=1, strategy="hybrid", plugins=[precision], max_steps=3, accumulate_grad_batches=2,
+            gradient_clip_val=1.0, callbacks=[GradNormMonitor(), watch],
+        )  # fmt: skip
+        trainer.fit(GPTLightningModule(CONFIG, warmup_steps=1), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+        results[precision.precision] = [s["grad_norm"] for s in watch.steps if s["grad_norm"] is not None]
+        assert trainer.global_step == 3
+    assert trainer.precision_plugin.state_dict()["skipped_steps"] == 0
+    # The norm of a window's gradients, logged on its last micro-batch, matches fp32's.
+    torch.testing.assert_close(results["16-mixed"], results["32-true"], rtol=2e-2, atol=0)

@@ -17,7 +17,9 @@ class ConsoleLogger(Callback):
 
     Meant for logs and non-interactive terminals, where a progress bar is noise. Reads the
     metrics already logged through ``self.log`` (``trainer.callback_metrics``), so it adds no
-    synchronisation; prints on global rank 0 only.
+    synchronisation; prints on global rank 0 only. Metrics logged only on the steps the loggers write
+    (``train/grad_norm``, ``precision/*``) show their last logged value: make ``every_n_steps`` a
+    multiple of ``Trainer(log_every_n_steps=...)``.
 
     Args:
         every_n_steps: print after every this many optimizer steps (and after the last one).
