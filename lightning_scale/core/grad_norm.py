@@ -223,10 +223,11 @@ def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, norm_type: float = 2.0) -> GradientStats:
     """The global gradient norm and the overflow flag from **one** all-reduce of two numbers.
 
-    Gradients must not be ``Partial`` (:func:`reduce_partial_grads_`). Each rank takes the norms of its local gradient pieces (foreach, per device and dtype), sums the
-    ``norm_type``-th powers of the pieces ``scope`` counts (max for the inf-norm), and flags any
-    non-finite piece, counted or not; one all-reduce over the world combines both. Reading the result
-    is the step's one host synchronisation.
+    Gradients must not be ``Partial`` (:func:`reduce_partial_grads_`). Each rank takes the norms of
+    its local gradient pieces (foreach, per device and dtype), sums the ``norm_type``-th powers of the
+    pieces ``scope`` counts (max for the inf-norm), and flags any non-finite piece, counted or not;
+    one all-reduce over the world combines both. Reading the result is the step's one host
+    synchronisation.
     """
     if not (norm_type == float("inf") or norm_type > 0):
         raise ValueError(f"norm_type={norm_type} must be positive or inf.")
