@@ -215,6 +215,14 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+def _by_kind(pieces: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``pieces`` grouped by (device, dtype): what one foreach call can take."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for j, piece in enumerate(pieces):
+        groups.setdefault((piece.device, piece.dtype), []).append(j)
+    return groups
+
+
 def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The local tensors of the parameters' gradients (a DTensor's shard), for in-place foreach ops."""
     return [_local(p.grad) for p in parameters if p.grad is not None]
@@ -235,11 +243,8 @@ def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, nor
     grads = [p.grad for _, p in with_grads]
     pieces = [_local(g) for g in grads]  # type: ignore[arg-type]
     device = pieces[0].device if pieces else torch.device("cpu")
-    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for j, piece in enumerate(pieces):
-        by_kind.setdefault((piece.device, piece.dtype), []).append(j)
     norms = torch.zeros(len(pieces), dtype=torch.float64, device=device)
-    for (_, dtype), members in by_kind.items():
+    for (_, dtype), members in _by_kind(pieces).items():
         # Half-precision gradients are summed in fp32 at least.
         accumulate = torch.promote_types(dtype, torch.float32)
         found = torch._foreach_norm([pieces[j] for j in members], norm_type, dtype=accumulate)
@@ -269,11 +274,9 @@ def scale_grads_(parameters: Iterable[torch.Tensor], factor: float) -> None:
     """Multiply every gradient in place by ``factor`` (each local shard; foreach per device and dtype)."""
     if factor == 1.0:
         return
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for piece in local_grads(parameters):
-        by_kind.setdefault((piece.device, piece.dtype), []).append(piece)
-    for same in by_kind.values():
-        torch._foreach_mul_(same, factor)
+    pieces = local_grads(parameters)
+    for members in _by_kind(pieces).values():
+        torch._foreach_mul_([pieces[j] for j in members], factor)
 
 
 def clip_grads_by_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -45,8 +45,9 @@ from lightning_scale.core.grad_norm import (
     scale_grads_,
 )
 from lightning_scale.core.loss_scaler import DynamicLossScaler
+from lightning_scale.plugins._lr_schedulers import hold_lr_schedulers_after_skipped_steps
 
-__all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision", "as_mesh_precision"]
+__all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision"]
 
 PRECISIONS = {
     "fp16-mixed": "16-mixed",
@@ -62,7 +63,6 @@ NONFINITE_POLICIES = ("ignore", "skip", "raise")
 _REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _TRUE_DTYPE = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "64-true": torch.float64}
-_GUARDED = "_lightning_scale_lr_guard"
 _SCALER_DEFAULTS: dict[str, Any] = {
     "init_scale": 2.0**16,
     "growth_factor": 2.0,
@@ -180,8 +180,7 @@ class MixedPrecision(Precision):
         self.norm_type = float(norm_type)
         self.log_grad_norm = log_grad_norm
         self.log_nonfinite = log_nonfinite
-        self.skipped_steps = 0
-        """Optimizer steps skipped for non-finite gradients (fp16 overflows included)."""
+        self._skipped = 0  # bf16/fp32 with nonfinite_grads="skip"; fp16 counts in its scaler
         self.last_step_skipped = False
         self.gradient_scope = GradientScope()
         """How this rank's gradients make up the model's (``HybridParallelStrategy`` sets it from its mesh)."""
@@ -200,6 +199,11 @@ class MixedPrecision(Precision):
     @property
     def is_mixed(self) -> bool:
         return self.precision in _COMPUTE_DTYPE
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients (fp16 overflows included)."""
+        return self.scaler.skipped_steps if self.scaler is not None else self._skipped
 
     @property
     def loss_scale(self) -> float:
@@ -332,14 +336,14 @@ class MixedPrecision(Precision):
             if logging:
                 self._log(model, stats)
         self.last_step_skipped = not step
-        self._guard_lr_schedulers(model.trainer)
+        hold_lr_schedulers_after_skipped_steps(model.trainer, lambda: self.last_step_skipped)
         return optimizer.step(**kwargs) if step else result
 
     def _decide(self, stats: GradientStats, model: LightningModule, optimizer: Any) -> bool:
         """Step or skip, identically on every rank (``stats`` came from one all-reduce)."""
         if not stats.finite:
-            if self.nonfinite_grads == "skip":
-                self.skipped_steps += 1
+            if self.nonfinite_grads == "skip" and self.scaler is None:
+                self._skipped += 1
             names = self._nonfinite_names(stats, model, optimizer) if self.log_nonfinite else []
             if names:
                 rank_zero_warn(
@@ -378,27 +382,6 @@ class MixedPrecision(Precision):
             log("precision/loss_scale", self.scaler.scale)
         if self.scaler is not None or self.nonfinite_grads == "skip":
             log("precision/skipped_steps", float(self.skipped_steps))
-
-    def _guard_lr_schedulers(self, trainer: Trainer) -> None:
-        """Make the fit loop leave the step-interval LR schedulers alone after a skipped optimizer step.
-
-        Lightning steps them after every optimizer step it asked for (Lightning #5558): wrap the
-        training epoch loop's ``_update_learning_rates`` (once per loop) so that a step-interval
-        update after a skipped step does nothing. Epoch-interval schedulers step as usual.
-        """
-        loop = trainer.fit_loop.epoch_loop
-        if loop.__dict__.get(_GUARDED):
-            return
-        update = loop._update_learning_rates
-        plugin = self
-
-        def guarded(interval: str, update_plateau_schedulers: bool) -> None:
-            if interval == "step" and plugin.last_step_skipped:
-                return
-            update(interval=interval, update_plateau_schedulers=update_plateau_schedulers)
-
-        loop._update_learning_rates = guarded  # type: ignore[method-assign]
-        loop.__dict__[_GUARDED] = True
 
     # ------------------------------------------------------------------ clipping
 
@@ -449,41 +432,8 @@ class MixedPrecision(Precision):
                 self.scaler.scale = float(state_dict["scale"])
                 self.scaler.growth_tracker = int(state_dict["_growth_tracker"])
             return
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        if self.scaler is not None and "scaler" in state_dict:
+        if self.scaler is None:
+            self._skipped = int(state_dict.get("skipped_steps", 0))
+        elif "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
 
-
-def as_mesh_precision(plugin: Precision | None) -> MixedPrecision:
-    """The :class:`MixedPrecision` that does what ``plugin`` (one of Lightning's stock plugins, which
-    the Trainer builds from ``precision="..."``) asks for; ``ValueError`` for any other plugin."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
-    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
-
-    if plugin is None or type(plugin) is Precision:
-        return MixedPrecision("32-true")
-    if isinstance(plugin, MixedPrecision):
-        return plugin
-    if type(plugin) is DoublePrecision:
-        return MixedPrecision("64-true")
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return MixedPrecision("bf16-true")
-    if type(plugin) is LightningMixedPrecision:
-        if plugin.scaler is None:
-            return MixedPrecision("bf16-mixed", device=plugin.device)
-        scaler = plugin.scaler
-        return MixedPrecision(
-            "fp16-mixed",
-            device=plugin.device,
-            init_scale=float(scaler.get_scale()),
-            growth_factor=float(scaler.get_growth_factor()),
-            backoff_factor=float(scaler.get_backoff_factor()),
-            growth_interval=int(scaler.get_growth_interval()),
-        )
-    valid = ", ".join(repr(p) for p in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "64-true"))
-    raise ValueError(
-        f"HybridParallelStrategy runs precision through lightning_scale.plugins.MixedPrecision (one overflow decision "
-        f"for the whole mesh, applied inside pipeline schedules), and cannot use {type(plugin).__name__}"
-        f"(precision={getattr(plugin, 'precision', None)!r}). Pass Trainer(precision=...) with one of {valid}, or "
-        "plugins=[lightning_scale.plugins.MixedPrecision(...)]."
-    )

@@ -26,22 +26,23 @@ from typing_extensions import override
 
 from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
 from lightning_scale.core.deferred_init import DeferredInit
-from lightning_scale.core.grad_norm import GradientScope, gradient_stats, reduce_partial_grads_
 from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
 from lightning_scale.core.pipeline_runner import PipelineRunner
-from lightning_scale.plugins.precision import MixedPrecision, as_mesh_precision
 from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._deferred import DeferredModules
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
 from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch, pipeline_spec_of
+from lightning_scale.strategies._precision import MeshPrecision
 from lightning_scale.strategies._state import ParallelState
 from lightning_scale.strategies._steps import ParallelSteps
 
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
-class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectives, DeferredModules, ParallelStrategy):
+class HybridParallelStrategy(
+    ParallelSteps, FullStateCheckpoints, WorldCollectives, DeferredModules, MeshPrecision, ParallelStrategy
+):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
     One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (for ``hsdp``
@@ -150,24 +151,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._num_nodes = 1
-        self._default_precision: MixedPrecision | None = None
-
-    @property
-    @override
-    def precision_plugin(self) -> MixedPrecision:
-        """Always a :class:`~lightning_scale.plugins.MixedPrecision`: Lightning's stock plugins (what
-        ``Trainer(precision="bf16-mixed")`` builds) are replaced by the equivalent one, others refused."""
-        if self._precision_plugin is not None:
-            return self._precision_plugin  # type: ignore[return-value]
-        if self._default_precision is None:
-            self._default_precision = MixedPrecision("32-true")
-        return self._default_precision
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        # None stays None: Lightning's connector reads `_precision_plugin` to tell a plugin given to the
-        # strategy from one given to the Trainer.
-        self._precision_plugin = None if precision_plugin is None else as_mesh_precision(precision_plugin)
 
     @property
     def num_nodes(self) -> int:
@@ -295,19 +278,6 @@ class HybridParallelStrategy(ParallelSteps, FullStateCheckpoints, WorldCollectiv
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _gradient_scope(self) -> GradientScope:
-        """Which gradient pieces this rank counts in the model's norm: shards by each holder, copies
-        (replicas, tensor-parallel replicates) once, each pipeline stage its own, tied copies once."""
-        excluded = self._pipeline.excluded_from_norm() if self._pipeline is not None else ()
-        return GradientScope(self.device_mesh, stage_dim="pp", excluded=excluded)
-
-    def gradient_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
-        """The norm of the whole model's gradients (every shard, replica and stage), equal on every rank."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        reduce_partial_grads_(params)
-        norm = gradient_stats(params, self.precision_plugin.gradient_scope, norm_type).norm
-        return torch.tensor(norm, dtype=torch.float64)
 
     def _parallelize(self, module: LightningModule, deferred: DeferredInit | None = None) -> None:
         """Applied in this order: pipeline stage (prune to this rank's blocks), tensor parallel,
