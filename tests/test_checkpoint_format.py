@@ -175,10 +175,13 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
     manifest = verify(tmp_path / "step-000003")
     assert [f["path"] for f in manifest["files"]] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # Loaded elsewhere, unsharded, with no process group: DCP reshards.
-    state = {"w": torch.zeros(8, 4), "b": torch.zeros(3), "step": 0}
+    state = {"w": torch.zeros(8, 4), "b": torch.zeros(3)}
     load_sharded(tmp_path / "step-000003", state)
     assert torch.equal(state["w"], torch.arange(32, dtype=torch.float32).reshape(8, 4))
-    assert torch.equal(state["b"], torch.ones(3)) and state["step"] == 3
+    assert torch.equal(state["b"], torch.ones(3))
+    # DCP pickled the plain value "step"; it is not read back as a tensor, nor unpickled.
+    with pytest.raises(KeyError, match=r"has no \['step'\]"):
+        load_sharded(tmp_path / "step-000003", {"step": torch.zeros(())})
     (tmp_path / "step-000003" / "__1_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointCorruptError, match=r"__1_0.distcp has 1 bytes"):
         load_sharded(tmp_path / "step-000003", state)

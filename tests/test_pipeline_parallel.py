@@ -14,7 +14,7 @@ import torch
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import fit_error, quiet_trainer
 from helpers.models import BlockStack, ListStack, StackModule
-from helpers.parity import STEPS, RecordLoss, assert_parity, fit_gpt, single_process
+from helpers.parity import STEPS, RecordLoss, assert_parity, fit_gpt, full_parameters, single_process
 from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,6 +22,7 @@ import lightning_scale  # noqa: F401
 from lightning_scale.core.partition import SCHEDULES
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.plugins.checkpoint_io import load_from_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 
 CONFIG = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=False)
@@ -230,7 +231,7 @@ def _pp2_fit_and_save(rank: int, world: int, path: str) -> dict[str, torch.Tenso
     module = GPTLightningModule(CONFIG, learning_rate=3e-3)
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
     trainer.save_checkpoint(path)
-    return trainer.strategy.lightning_module_state_dict()
+    return full_parameters(module, world)
 
 
 def _pp2_load(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
@@ -238,14 +239,14 @@ def _pp2_load(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     trainer = quiet_trainer(devices=world, strategy=strategy, precision="64-true", max_steps=3, limit_val_batches=1)
     module = GPTLightningModule(CONFIG)
     trainer.validate(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8), ckpt_path=path, verbose=False)
-    return trainer.strategy.lightning_module_state_dict()
+    return full_parameters(module, world)
 
 
 @pytest.mark.slow
 def test_checkpoints_move_between_pp2_and_pp1(tmp_path) -> None:
     saved = run_distributed(_pp2_fit_and_save, 2, str(tmp_path / "pp2.ckpt"), timeout=180)[0]
     # pp=2 -> pp=1: every stage's parameters, under the original names.
-    single = GPTLightningModule.load_from_checkpoint(tmp_path / "pp2.ckpt", map_location="cpu").double()
+    single = load_from_checkpoint(GPTLightningModule, tmp_path / "pp2.ckpt").double()
     assert single.state_dict().keys() == saved.keys()
     for name, value in single.state_dict().items():
         torch.testing.assert_close(value, saved[name].double(), rtol=1e-6, atol=0, msg=name)
@@ -270,7 +271,7 @@ def _fit_mlp(strategy: Any, devices: int, net: type[BlockStack] = BlockStack) ->
     )
     module = StackModule(net())
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
-    state = trainer.strategy.lightning_module_state_dict() if devices > 1 else module.state_dict()
+    state = full_parameters(module, devices)
     return {"losses": record.losses, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 

@@ -210,7 +210,7 @@ def test_modelcheckpoint_and_early_stopping_monitor_the_pipeline_loss_under_its_
         assert result["path"].endswith("best.ckpt")
         assert "my_loss" in result["keys"] and "train_loss" in result["keys"], result["keys"]
         assert "train/loss" not in result["keys"] and "val/loss" not in result["keys"]
-    assert (tmp_path / "ckpt" / "best.ckpt").is_file()
+    assert (tmp_path / "ckpt" / "best.ckpt").is_dir()
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from lightning_scale.callbacks import GradNormMonitor
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins import MixedPrecision
+from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 
 CONFIG = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=False)
@@ -202,7 +203,7 @@ def _resume(world: int) -> dict[str, Any]:
     full = _fit(_hybrid(dp=world), world, plugin(), steps=8, watch=Watch(inject))
     checkpoint = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)
     first = _fit(_hybrid(dp=world), world, plugin(), steps=8, watch=Watch(inject), extra=[checkpoint])
-    saved = torch.load(next(root.glob("*step=4.ckpt")), weights_only=False, map_location="cpu")
+    saved = load_full_checkpoint(next(root.glob("*step=4.ckpt")))
     restored: dict[str, Any] = {}
 
     class Restored(Callback):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 from helpers.distributed import run_distributed
 from helpers.lightning import quiet_trainer
@@ -18,30 +16,25 @@ from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.strategies import HybridParallelStrategy
 
 
-class _DiskFull(TorchCheckpointIO):
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        time.sleep(0.5)  # still writing when the training loop moves on
-        raise OSError(f"No space left on device: {path}")
-
-
-def _fit_with_failing_async_saves(rank: int, world: int, out: str) -> str:
-    strategy = HybridParallelStrategy(checkpoint_io=AsyncCheckpointIO(_DiskFull()))
+def _fit_with_a_whole_file_checkpoint_io(rank: int, world: int, out: str) -> str:
+    strategy = HybridParallelStrategy(checkpoint_io=AsyncCheckpointIO(TorchCheckpointIO()))
     trainer = quiet_trainer(
         devices=world,
         strategy=strategy,
-        max_steps=1,  # one save: AsyncCheckpointIO reports an error at the next save, or at teardown
+        max_steps=1,
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=1)],
     )
     config = GPTConfig(n_layers=1, d_model=16, n_heads=2, block_size=8)
     try:
         trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=8, global_batch_size=2))
-    except OSError as err:
+    except ValueError as err:
         return str(err)
     return "no error"
 
 
-def test_teardown_joins_an_async_checkpoint_io_and_raises_what_its_saves_raised(tmp_path: Path) -> None:
-    # The save runs in AsyncCheckpointIO's thread; only its teardown (joined by the strategy's) reports it.
-    (message,) = run_distributed(_fit_with_failing_async_saves, 1, str(tmp_path), timeout=120)
-    assert "No space left on device" in message and "step=1.ckpt" in message, message
+def test_a_checkpoint_io_that_writes_whole_files_from_one_rank_is_refused_before_training(tmp_path: Path) -> None:
+    # Whole-state files would need the whole model gathered on one rank: the strategy saves sharded only.
+    (message,) = run_distributed(_fit_with_a_whole_file_checkpoint_io, 1, str(tmp_path), timeout=120)
+    assert "checkpoint_io=AsyncCheckpointIO writes whole files from one rank" in message, message
+    assert "ShardedCheckpointIO" in message and not list(tmp_path.iterdir())

@@ -21,6 +21,7 @@ from lightning_scale.core.layout import Layout, resolve_layout
 from lightning_scale.core.tensor_parallel import local_numel, resolve_plan
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
+from lightning_scale.plugins.checkpoint_io import load_from_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 
 CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, block_size=32)
@@ -327,8 +328,8 @@ def _straight_then_resumed(rank: int, world: int, root: str) -> tuple[dict[str, 
 def test_checkpoint_saved_at_tp2_loads_at_tp1_and_resumes_at_tp2(tmp_path) -> None:
     root = str(tmp_path)
     straight, resumed = run_distributed(_straight_then_resumed, 2, root, timeout=180)[0]
-    # Full tensors under the original names: the plain (tp=1) model loads it as it is.
-    reloaded = GPTLightningModule.load_from_checkpoint(f"{root}/final-straight.ckpt", map_location="cpu")
+    # Whole tensors under the original names: the plain (tp=1) model loads it as it is.
+    reloaded = load_from_checkpoint(GPTLightningModule, f"{root}/final-straight.ckpt")
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, straight["state"][name].to(value.dtype)), name  # loaded as fp32
     # Weights, optimizer and scheduler state and the data position restored: steps 4-6 are the same.

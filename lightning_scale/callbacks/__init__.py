@@ -2,5 +2,6 @@
 
 from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
+from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
 
-__all__ = ["ConsoleLogger", "GradNormMonitor"]
+__all__ = ["ConsoleLogger", "GradNormMonitor", "Preempted", "PreemptionCheckpoint"]

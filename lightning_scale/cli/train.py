@@ -108,8 +108,8 @@ class _ValidationRecord(Callback):
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
     path = cfg.get("ckpt_path")
-    if path is None:
-        return None
+    if path is None or path == "latest":
+        return path  # "latest": the strategy finds the newest checkpoint that verifies
     if path == "last":
         path = str(Path(cfg.run_dir) / "checkpoints" / "last.ckpt")
     if not Path(path).exists():

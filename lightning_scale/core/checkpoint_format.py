@@ -22,7 +22,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "find_checkpoints",
     "latest",
     "retained",
+    "scan",
     "staged_name",
     "staging_dir",
     "verify",
@@ -185,12 +186,17 @@ def _inside(root: Path, relative: Any) -> Path:
     return root / pure
 
 
-def verify(path: Path, *, checksums: bool = True) -> dict[str, Any]:
+def verify(
+    path: Path, *, checksums: bool | Callable[[int, Mapping[str, Any]], bool] = True
+) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` after checking every file it lists: present, of the
-    recorded size and (``checksums``) SHA-256. ``CheckpointCorruptError`` names the first bad file."""
+    recorded size and (``checksums``) SHA-256. ``CheckpointCorruptError`` names the first bad file.
+
+    ``checksums`` may be ``f(index, entry)``: hash only the files it selects (several processes
+    sharing the work), check the others' presence and size."""
     path = Path(path)
     manifest = _read_manifest(path)
-    for entry in manifest["files"]:
+    for index, entry in enumerate(manifest["files"]):
         file = _inside(path, entry.get("path") if isinstance(entry, dict) else None)
         if not file.is_file():
             raise CheckpointCorruptError(f"{file} is missing (listed in {path / MANIFEST}).")
@@ -199,12 +205,13 @@ def verify(path: Path, *, checksums: bool = True) -> dict[str, Any]:
             raise CheckpointCorruptError(
                 f"{file} has {size} bytes, the manifest says {entry.get('bytes')}: truncated or overwritten."
             )
-        if checksums and _sha256(file) != entry.get("sha256"):
+        hashed = checksums(index, entry) if callable(checksums) else checksums
+        if hashed and _sha256(file) != entry.get("sha256"):
             raise CheckpointCorruptError(f"{file} does not match its SHA-256 in {path / MANIFEST}: corrupted.")
     return manifest
 
 
-def _scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
+def scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
     """Committed checkpoints under ``root`` (readable manifest), and the other non-hidden directories
     holding files, with why they are not checkpoints."""
     root = Path(root)
@@ -213,8 +220,8 @@ def _scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
     if not root.is_dir():
         return good, bad
     for child in sorted(root.iterdir()):
-        if not child.is_dir() or child.name.startswith("."):
-            continue  # staging and replaced directories are hidden
+        if not child.is_dir() or child.is_symlink() or child.name.startswith("."):
+            continue  # staging and replaced directories are hidden; a link's target is listed itself
         try:
             manifest = _read_manifest(child)
         except CheckpointCorruptError as err:
@@ -230,13 +237,13 @@ def _scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
 def find_checkpoints(root: Path) -> list[Checkpoint]:
     """Committed checkpoint directories under ``root`` with a readable manifest, oldest first (by the
     manifest's ``global_step``, then its time stamp). Staging and replaced directories are skipped."""
-    return _scan(root)[0]
+    return scan(root)[0]
 
 
 def latest(root: Path) -> Checkpoint | None:
     """The newest checkpoint under ``root`` that verifies. Every broken one passed over, and every
     directory whose manifest is missing or unreadable, gets a warning naming it."""
-    good, bad = _scan(root)
+    good, bad = scan(root)
     for path, why in bad:
         warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=2)
     for checkpoint in reversed(good):

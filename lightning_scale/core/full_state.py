@@ -1,9 +1,8 @@
-"""Full state dicts of a parallelised model and its optimizer.
+"""Loading a whole-model state (a ``torch.save`` checkpoint file, e.g. from a single-device run) into a
+parallelised model and its optimizer: each rank copies out what it holds, with no communication.
 
-Every tensor is gathered whole (DTensor shards over tensor parallelism, and every pipeline stage's
-parameters) under the original parameter names, so a checkpoint saved at one layout loads at any
-other. Collectives: every rank must call these. ``HybridParallelStrategy`` uses them for
-Lightning's checkpoint path (``Trainer.save_checkpoint``/``ckpt_path``).
+Saving never gathers the whole state: ``HybridParallelStrategy`` writes sharded checkpoints
+(:mod:`lightning_scale.core.sharded_checkpoint`).
 """
 
 from __future__ import annotations
@@ -12,36 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["full_model_state", "full_optimizer_state", "load_full_model_state", "load_full_optimizer_state"]
+__all__ = ["load_full_model_state", "load_full_optimizer_state"]
 
-_FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FULL = StateDictOptions(full_state_dict=True)
-
-
-def _gather_stages(local: Any, pp_group: ProcessGroup) -> list[Any]:
-    """Every pipeline stage's piece (stages hold disjoint parameters), on every rank."""
-    parts: list[Any] = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(parts, local, group=pp_group)
-    return parts
-
-
-def full_model_state(module: nn.Module, pp_group: ProcessGroup | None = None) -> dict[str, Any]:
-    """The whole model's state dict on CPU; ``pp_group``: the pipeline stages to merge (None: no pipeline)."""
-    if pp_group is None:
-        return get_model_state_dict(module, options=_FULL_ON_CPU)
-    local = get_model_state_dict(module, options=_FULL)
-    return {k: v for part in _gather_stages({k: v.cpu() for k, v in local.items()}, pp_group) for k, v in part.items()}
 
 
 def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict: bool = True, partial: bool = False) -> None:
@@ -80,19 +59,6 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict
         module.load_state_dict(others, strict=False)
 
 
-def full_optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, pp_group: ProcessGroup | None = None
-) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name, whole tensors on CPU, merged over pipeline stages."""
-    if pp_group is None:
-        return get_optimizer_state_dict(module, optimizer, options=_FULL_ON_CPU)
-    parts = _gather_stages(_to_cpu(get_optimizer_state_dict(module, optimizer, options=_FULL)), pp_group)
-    merged: dict[str, Any] = {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": []}
-    for groups in zip(*(part["param_groups"] for part in parts), strict=True):
-        merged["param_groups"].append({**groups[0], "params": [n for g in groups for n in g["params"]]})
-    return merged
-
-
 def load_full_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, partial: bool = False
 ) -> None:
@@ -105,12 +71,3 @@ def load_full_optimizer_state(
         }
     set_optimizer_state_dict(module, optimizer, dict(state), options=_FULL)
 
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj

@@ -100,6 +100,8 @@ class PipelineRunner:
         self._replicas = mesh["dp"].size()
 
         tied = tied_parameter_groups(root)
+        self.tied_groups = [list(names) for names in tied]
+        """Names (in ``root``) of each weight shared by several modules of the whole model (before pruning), first name first."""
         if self._replicas > 1:
             check_ties_for_data_parallel(tied, lambda name: self._stage_of(spec, name), ranks, schedule)
         keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))

@@ -28,7 +28,7 @@ from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
 from lightning_scale.core.deferred_init import DeferredInit
 from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
 from lightning_scale.core.pipeline_runner import PipelineRunner
-from lightning_scale.strategies._checkpoint_hooks import FullStateCheckpoints
+from lightning_scale.strategies._checkpoint_hooks import ShardedCheckpoints, elastic_attempt_store
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._deferred import DeferredModules
 from lightning_scale.strategies._options import ParallelOptions
@@ -41,7 +41,7 @@ from lightning_scale.strategies._steps import ParallelSteps
 __all__ = ["HybridParallelStrategy", "TENSOR_PARALLEL_PLAN_HOOK"]
 
 class HybridParallelStrategy(
-    ParallelSteps, FullStateCheckpoints, WorldCollectives, DeferredModules, MeshPrecision, ParallelStrategy
+    ParallelSteps, ShardedCheckpoints, WorldCollectives, DeferredModules, MeshPrecision, ParallelStrategy
 ):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
@@ -245,13 +245,18 @@ class HybridParallelStrategy(
             rank_zero_info(f"HybridParallelStrategy: {layout}{detail} on {self.world_size} processes")
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
         module._device_mesh = self._device_mesh
+        self._install_checkpoint_path_resolver(module.trainer)
 
     def _setup_distributed(self) -> None:
         self.set_world_ranks()
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        store = elastic_attempt_store(self.world_size, self._timeout)
+        if store is not None:
+            kwargs["store"] = store
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -277,6 +282,7 @@ class HybridParallelStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            self._add_preemption_checkpoint(trainer)
         self.setup_precision_plugin()
 
     def _parallelize(self, module: LightningModule, deferred: DeferredInit | None = None) -> None:

@@ -1,0 +1,541 @@
+"""``ShardedCheckpointIO``: Lightning checkpoints that every rank writes and reads its own part of.
+
+A checkpoint is a directory (``../shared/DESIGN.md``): DCP shard files with every tensor of the
+model, the optimizers and the rest of the training state; ``trainer_state.json`` (rank 0: loops,
+callbacks, LR schedulers, precision scaler, hyper-parameters, optimizer hyper-parameters, the
+rest of what ``on_save_checkpoint`` hooks added); ``rank-NNNNN.json`` (every rank's random-number
+states); and ``manifest.json``, written last, that makes it a checkpoint. See
+:class:`ShardedCheckpointIO`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_scale.core.checkpoint_format import (
+    CheckpointCorruptError,
+    find_checkpoints,
+    retained,
+    scan,
+    verify,
+)
+from lightning_scale.core.checkpoint_state import decode, encode
+from lightning_scale.core.sharded_checkpoint import (
+    StagingWriter,
+    distributed,
+    full_tensors_from,
+    load_sharded,
+    read_tensor_metadata,
+    save_sharded,
+    verify_distributed,
+)
+from lightning_scale.plugins._rng import collect_rng_states
+
+__all__ = [
+    "PREEMPTION_EXIT_CODE",
+    "ShardedCheckpointIO",
+    "is_sharded_checkpoint",
+    "load_from_checkpoint",
+    "load_full_checkpoint",
+]
+
+TRAINER_STATE = "trainer_state.json"
+PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
+_MODEL, _OPTIM, _EXTRA = "model", "optim", "extra"
+_LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
+_AUTO_RESUME = (True, False, "on_restart")
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """A directory written by :class:`ShardedCheckpointIO` (it has a manifest; it may still be broken)."""
+    try:
+        return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
+    except (TypeError, OSError):
+        return False
+
+
+def restarted() -> bool:
+    """This process is a relaunch: torchrun's ``--max-restarts`` or a requeued SLURM job."""
+    return any(int(os.environ.get(v, "0") or 0) > 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+class ShardedCheckpointIO(CheckpointIO):
+    """Checkpoints as directories that every rank writes its own shards into, committed atomically.
+
+    Used by :class:`~lightning_scale.strategies.HybridParallelStrategy` (its default
+    ``checkpoint_io``): Lightning's ``ModelCheckpoint``, ``trainer.save_checkpoint(path)`` and
+    ``Trainer.fit(ckpt_path=...)`` work as ever, with a directory in place of each ``.ckpt`` file.
+    Every rank takes part in each save and load (the strategy calls this on every rank), writing
+    and reading only what it holds; a checkpoint saved at one layout loads at any other.
+
+    Args:
+        keep_last: after each save, delete all but the newest ``keep_last`` checkpoints in the same
+            directory (None: keep everything; ``ModelCheckpoint(save_top_k=...)`` still applies).
+        keep_every: with ``keep_last``, also keep every checkpoint whose step is a multiple of it.
+            The checkpoint the run resumed from is never deleted, nor the newest that verifies.
+        auto_resume: when ``Trainer.fit`` gets no ``ckpt_path``, resume from ``"latest"`` (the newest
+            checkpoint that verifies, in the ``ModelCheckpoint`` directories and ``dirpath``):
+            ``"on_restart"`` (default) when the process is a relaunch (torchrun ``--max-restarts``,
+            a requeued SLURM job), ``True`` always, ``False`` never.
+        dirpath: another directory ``"latest"`` looks in (where a preemption checkpoint goes when
+            there is no ``ModelCheckpoint``).
+        async_save: ``save_checkpoint`` returns once this rank's tensors are copied into host buffers
+            (reused from one save to the next); DCP writes them, and the manifest and rename commit
+            them, in a background thread whose collectives run on a process group of their own
+            (gloo), so training goes on meanwhile. One save is in flight at a time: the next save,
+            a load and teardown wait for it, and raise what it raised. With ``ModelCheckpoint``,
+            prefer ``save_last="link"`` (a second save of the same step would wait for the first).
+        preemption: add a :class:`~lightning_scale.callbacks.PreemptionCheckpoint` to every ``fit``
+            that has none (SIGTERM/SIGUSR1: finish the step, commit a checkpoint, exit with
+            :data:`PREEMPTION_EXIT_CODE`).
+        thread_count: writer threads per rank (DCP ``FileSystemWriter``).
+        metadata: JSON values stored in every manifest (``metadata`` key), e.g. a run name.
+
+    Loading reads no pickles: non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint_state`),
+    DCP's own metadata is read by a restricted unpickler, and a file a manifest lists outside its
+    directory is refused.
+    """
+
+    def __init__(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        auto_resume: bool | Literal["on_restart"] = "on_restart",
+        dirpath: str | os.PathLike | None = None,
+        async_save: bool = False,
+        preemption: bool = True,
+        thread_count: int = 1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if keep_last is not None:
+            retained([], keep_last=keep_last, keep_every=keep_every)  # validates both
+        elif keep_every is not None:
+            raise ValueError(f"keep_every={keep_every!r} needs keep_last (how many of the newest to keep) as well.")
+        if auto_resume not in _AUTO_RESUME or not isinstance(auto_resume, (bool, str)):
+            raise ValueError(f"auto_resume={auto_resume!r} must be one of {_AUTO_RESUME}.")
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count={thread_count!r} must be a positive integer.")
+        if metadata is not None:
+            try:
+                json.dumps(dict(metadata))
+            except TypeError as err:
+                raise TypeError(f"metadata must hold JSON values only: {err}") from None
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.auto_resume = auto_resume
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save={async_save!r} must be True or False.")
+        self.async_save = async_save
+        self.preemption = bool(preemption)
+        self.thread_count = thread_count
+        self.metadata = dict(metadata or {})
+        self._writer: StagingWriter | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._async_group: Any = None
+        self.process_group: dist.ProcessGroup | None = None
+        """The processes that save and load together (None: the world); the strategy sets it."""
+        self.resumed_from: Path | None = None
+        """The checkpoint this run loaded; retention and removal never delete it."""
+
+    # ------------------------------------------------------------------ collectives
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not distributed(self.process_group):
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self.process_group)
+        return box[0]
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if distributed(self.process_group) else 0
+
+    # ------------------------------------------------------------------ save
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Every rank: write ``checkpoint`` as the directory ``path`` (rank 0's path is used).
+
+        ``checkpoint["state_dict"]`` holds this rank's tensors (DTensor shards, its pipeline stage)
+        and ``checkpoint["optimizer_states"]`` DCP's per-parameter-name optimizer state dicts, as
+        :class:`HybridParallelStrategy` gives them. ``storage_options``: a mapping of JSON values
+        stored in the manifest (the strategy passes the layout)."""
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(
+                f"storage_options must be a mapping of JSON values for the manifest, got {type(storage_options).__name__}."
+            )
+        self.wait()  # one save in flight at most; raises what the previous one raised
+        path, token = self._broadcast((str(path), uuid.uuid4().hex[:12]))
+        path = Path(path)
+        if path.is_file() or path.is_symlink():
+            raise FileExistsError(
+                f"{path} exists and is a file or link, not a checkpoint directory; remove it or save elsewhere."
+            )
+        rank = self._rank()
+        tensors, doc = self._split(checkpoint, rank)
+        files = {_rank_file(rank): _json_bytes({"rank": rank, "rng": collect_rng_states()})}
+        if rank == 0:
+            files[TRAINER_STATE] = _json_bytes(doc)
+        metadata = {
+            "global_step": int(checkpoint.get("global_step", 0)),
+            "epoch": int(checkpoint.get("epoch", 0)),
+            "world_size": dist.get_world_size(self.process_group) if distributed(self.process_group) else 1,
+            "versions": _versions(checkpoint),
+            **dict(storage_options or {}),
+            "metadata": self.metadata,
+        }
+        if not self.async_save:
+            self._write(path, tensors, files, metadata, token, self.process_group, None)
+            return
+        if self._writer is None:
+            self._writer = StagingWriter(thread_count=self.thread_count)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning-scale-checkpoint")
+            if distributed(self.process_group):
+                # Collective, once: every rank makes its first async save together.
+                ranks = dist.get_process_group_ranks(self.process_group) if self.process_group is not None else None
+                self._async_group = dist.new_group(ranks=ranks, backend="gloo")
+        # The snapshot: the model's and optimizers' tensors into the reused host buffers, the rest
+        # (small, and keyed by names that change from save to save) cloned.
+        big = {k: v for k, v in tensors.items() if not k.startswith(f"{_EXTRA}/")}
+        staged = self._writer.stage(big)
+        staged.update({k: v.detach().clone() for k, v in tensors.items() if k.startswith(f"{_EXTRA}/")})
+        assert self._executor is not None
+        self._pending = self._executor.submit(
+            self._write, path, staged, files, metadata, token, self._async_group, self._writer
+        )
+
+    def _write(
+        self,
+        path: Path,
+        tensors: Mapping[str, Tensor],
+        files: Mapping[str, bytes],
+        metadata: Mapping[str, Any],
+        token: str,
+        group: Any,
+        writer: StagingWriter | None,
+    ) -> None:
+        save_sharded(
+            path,
+            tensors,
+            files=files,
+            metadata=metadata,
+            token=token,
+            group=group,
+            thread_count=self.thread_count,
+            writer=writer,
+        )
+        if self.keep_last is not None and self._rank() == 0:
+            self.apply_retention(path.parent)
+        if distributed(group):
+            dist.barrier(group=group)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _split(self, checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str, Tensor], Any]:
+        """``(tensors, doc)``: every tensor under a flat key, and rank 0's JSON of the rest."""
+        tensors: dict[str, Tensor] = {}
+        for name, value in (checkpoint.get("state_dict") or {}).items():
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"state_dict[{name!r}] is a {type(value).__name__}: a module's extra state must be a tensor to be "
+                    "saved in a sharded checkpoint."
+                )
+            tensors[f"{_MODEL}/{name}"] = value
+        optimizers = []
+        for i, state in enumerate(checkpoint.get("optimizer_states") or []):
+            for fqn, entries in state.get("state", {}).items():
+                for key, value in entries.items():
+                    if value is None:
+                        continue
+                    if not isinstance(value, Tensor):
+                        if isinstance(value, bool) or not isinstance(value, (int, float)):
+                            raise TypeError(
+                                f"Optimizer {i}'s state {key!r} of {fqn!r} is a {type(value).__name__}; a sharded "
+                                "checkpoint holds tensors and numbers per parameter."
+                            )
+                        value = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+                    tensors[f"{_OPTIM}/{i}/{fqn}/{key}"] = value
+            optimizers.append({"param_groups": [_hyper(g) for g in state.get("param_groups", [])]})
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if "optimizer_states" in checkpoint:
+            rest["optimizer_states"] = optimizers
+        extras: dict[str, Tensor] = {}
+        doc = encode(rest, extras, prefix=_EXTRA, lenient=lambda p: bool(p) and p[0] in _LENIENT)
+        for key, value in extras.items():
+            # Rank 0's state is the checkpoint's (as with Lightning's rank-0 save); a DTensor needs every rank's shard.
+            if rank == 0 or isinstance(value, DTensor):
+                tensors[key] = value
+        return tensors, doc
+
+    def apply_retention(self, root: Path) -> list[Path]:
+        """Delete the checkpoints in ``root`` beyond ``keep_last``/``keep_every`` (rank 0 only); returns them."""
+        assert self.keep_last is not None
+        good = []
+        for c in find_checkpoints(root):
+            try:
+                verify(c.path, checksums=False)
+                good.append(c)
+            except CheckpointCorruptError:
+                continue  # a broken checkpoint is not counted, nor deleted: `latest` warns about it
+        protect = [self.resumed_from] if self.resumed_from is not None else []
+        _, delete = retained(good, keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)
+        for c in delete:
+            _remove_dir(c.path)
+        return [c.path for c in delete]
+
+    # ------------------------------------------------------------------ load
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        template: Mapping[str, Any] | None = None,
+        strict: bool = True,
+        verified: bool = False,
+    ) -> dict[str, Any]:
+        """The Lightning checkpoint dict of the directory ``path``, verified first.
+
+        ``template``: ``{"state_dict": {...}, "optimizer_states": [...]}`` with this rank's tensors in
+        the structure :meth:`save_checkpoint` took; they are loaded in place from whatever layout the
+        checkpoint has, and the returned dict holds them. Without one (a single process reading a
+        checkpoint), every tensor comes back whole on the CPU. ``strict``: every template tensor
+        must be in the checkpoint. Collective when a process group is set.
+        """
+        self.wait()
+        if template is None:
+            # One process reading a checkpoint whole: no collectives.
+            path = Path(path)
+            if not verified:
+                verify(path)
+            checkpoint, rank = _load_whole(path), 0
+        else:
+            path = Path(self._broadcast(str(path)))
+            if not verified:
+                verify_distributed(path, group=self.process_group)
+            checkpoint, rank = self._load_into(path, template, strict), self._rank()
+        rank_file = path / _rank_file(rank)
+        checkpoint["lightning_scale"] = {
+            "path": str(path),
+            "manifest": json.loads((path / "manifest.json").read_text()),
+            "rng": json.loads(rank_file.read_text())["rng"] if rank_file.is_file() else None,
+        }
+        return checkpoint
+
+    def _load_into(self, path: Path, template: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+        saved = read_tensor_metadata(path)
+        extras = {
+            k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{_EXTRA}/")
+        }
+        flat, numbers = _flatten_template(template)
+        missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=True)
+        checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), extras)
+        checkpoint["state_dict"] = {
+            k: v for k, v in (template.get("state_dict") or {}).items() if f"{_MODEL}/{k}" not in missing
+        }
+        if "optimizer_states" in template:
+            saved_optimizers = checkpoint.get("optimizer_states") or []
+            checkpoint["optimizer_states"] = [
+                _restored_optimizer(
+                    state, i, saved_optimizers[i]["param_groups"] if i < len(saved_optimizers) else None, numbers
+                )
+                for i, state in enumerate(template["optimizer_states"])
+            ]
+        return checkpoint
+
+    # ------------------------------------------------------------------ latest, removal
+
+    def search_roots(self, roots: Iterable[Any]) -> list[Path]:
+        """Where ``"latest"`` looks: ``roots`` (the ``ModelCheckpoint`` directories) and ``dirpath``."""
+        out: list[Path] = []
+        for root in [*roots, self.dirpath]:
+            if root is not None and Path(root) not in out:
+                out.append(Path(root))
+        return out
+
+    def latest(self, roots: Iterable[Any]) -> Path | None:
+        """The newest checkpoint under ``roots`` that verifies (collective: rank 0 lists them, every rank
+        checksums a share); each broken one passed over gets a warning naming it."""
+        self.wait()
+        candidates: list[str] = []
+        if self._rank() == 0:
+            found = []
+            for root in self.search_roots(roots):
+                good, bad = scan(root)
+                found.extend(good)
+                for path, why in bad:
+                    warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=2)
+            found.sort(key=lambda c: (c.step, float(c.manifest.get("created_unix_s", 0.0))))
+            candidates = [str(c.path) for c in reversed(found)]
+        for candidate in self._broadcast(candidates):
+            try:
+                verify_distributed(Path(candidate), group=self.process_group)
+            except CheckpointCorruptError as err:
+                if self._rank() == 0:
+                    warnings.warn(f"Skipping the broken checkpoint {candidate}: {err}", RuntimeWarning, stacklevel=2)
+                continue
+            return Path(candidate)
+        return None
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint (a directory: hidden by a rename first, then deleted; a link: the link only).
+        The checkpoint the run resumed from is kept, with a warning."""
+        path = Path(path)
+        if self.resumed_from is not None and path.exists() and not path.is_symlink():
+            if path.resolve() == self.resumed_from.resolve():
+                warnings.warn(f"Not deleting {path}: this run resumed from it.", RuntimeWarning, stacklevel=2)
+                return
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            _remove_dir(path)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the save in flight and raise what it raised (the strategy calls this after every Trainer call)."""
+        self.wait()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _load_whole(path: Path) -> dict[str, Any]:
+    """Every tensor of the checkpoint whole, on the CPU, in the structure Lightning's checkpoints have."""
+    loaded = full_tensors_from(path)
+    checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), loaded)
+    checkpoint["state_dict"] = state = {k[len(_MODEL) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{_MODEL}/")}
+    for names in json.loads((path / "manifest.json").read_text()).get("tied") or []:
+        for alias in names[1:]:
+            if names[0] in state:
+                state[alias] = state[names[0]]  # one tensor under every name, as the module shares it
+    for i, state in enumerate(checkpoint.get("optimizer_states") or []):
+        state["state"] = _unflatten_optimizer(loaded, i)
+    return checkpoint
+
+
+def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint directory as one Lightning checkpoint dict, every tensor whole on the CPU,
+    read (and verified) by this process alone: what ``torch.load`` gives for a ``.ckpt`` file."""
+    return ShardedCheckpointIO().load_checkpoint(path)
+
+
+def load_from_checkpoint(cls: type, path: str | os.PathLike, *, strict: bool | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` for a sharded checkpoint directory: the module built from the saved
+    hyper-parameters (``kwargs`` override them) with the whole weights, in one process."""
+    from lightning.pytorch.core.saving import _load_state
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    checkpoint = _pl_migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=Path(path))
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+
+def _remove_dir(path: Path) -> None:
+    hidden = path.parent / f".{path.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _json_bytes(doc: Any) -> bytes:
+    return json.dumps(doc, allow_nan=False).encode()
+
+
+def _versions(checkpoint: Mapping[str, Any]) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("lightning-scale")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {
+        "lightning_scale": ours,
+        "torch": torch.__version__,
+        "lightning": str(checkpoint.get("pytorch-lightning_version", "")),
+    }
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _flatten_template(template: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, tuple[type, Tensor]]]:
+    """Flat keys of the template's tensors; ``numbers``: where the live value is a Python number, its
+    type and the 0-d tensor that receives it."""
+    flat: dict[str, Tensor] = {}
+    numbers: dict[str, tuple[type, Tensor]] = {}
+    for name, value in (template.get("state_dict") or {}).items():
+        flat[f"{_MODEL}/{name}"] = value
+    for i, state in enumerate(template.get("optimizer_states") or []):
+        for fqn, entries in state.get("state", {}).items():
+            for key, value in entries.items():
+                flat_key = f"{_OPTIM}/{i}/{fqn}/{key}"
+                if isinstance(value, Tensor):
+                    flat[flat_key] = value
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    box = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+                    numbers[flat_key] = (type(value), box)
+                    flat[flat_key] = box
+    return flat, numbers
+
+
+def _restored_optimizer(
+    state: Mapping[str, Any],
+    index: int,
+    saved_groups: list[dict[str, Any]] | None,
+    numbers: Mapping[str, tuple[type, Tensor]],
+) -> dict[str, Any]:
+    """The template's optimizer state (loaded in place) with the saved hyper-parameters per group."""
+    restored: dict[str, Any] = {"state": {}, "param_groups": []}
+    for fqn, entries in state.get("state", {}).items():
+        out = {}
+        for key, value in entries.items():
+            number = numbers.get(f"{_OPTIM}/{index}/{fqn}/{key}")
+            out[key] = value if number is None else number[0](number[1].item())
+        restored["state"][fqn] = out
+    groups = list(state.get("param_groups", []))
+    if saved_groups is not None and len(saved_groups) != len(groups):
+        raise ValueError(
+            f"Optimizer {index} has {len(groups)} parameter groups here and {len(saved_groups)} in the checkpoint: "
+            "configure_optimizers must build the same groups to resume."
+        )
+    for i, group in enumerate(groups):
+        restored["param_groups"].append({**group, **(saved_groups[i] if saved_groups else {}), "params": group["params"]})
+    return restored
+
+
+def _unflatten_optimizer(loaded: Mapping[str, Tensor], index: int) -> dict[str, dict[str, Tensor]]:
+    prefix = f"{_OPTIM}/{index}/"
+    state: dict[str, dict[str, Tensor]] = {}
+    for key, value in loaded.items():
+        if key.startswith(prefix):
+            fqn, _, name = key[len(prefix) :].rpartition("/")
+            state.setdefault(fqn, {})[name] = value
+    return state
