@@ -76,3 +76,15 @@ def test_precision_benchmark_prints_its_ratios(tmp_path: Path) -> None:
         assert report[key] > 0, key
     assert set(report["step_s"]) == {"none", "ours", "torch"} and "fp32" in report["compute"]
     assert isinstance(report["overhead_fraction"], float)
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_prints_its_ratios(tmp_path: Path) -> None:
+    report = _bench(
+        "checkpoint", "checkpoint.py", "--layers", "1", "--d-model", "64", "--heads", "2", "--seq", "16",
+        "--rounds", "1", "--dir", str(tmp_path), out=tmp_path / "checkpoint.json",
+    )  # fmt: skip
+    for key in ("save_fraction_of_disk", "load_fraction_of_disk", "async_block_fraction", "async_block_vs_memcpy",
+                "save_ratio_vs_torch", "save_ratio_vs_dcp", "dcp_async_block_vs_memcpy"):  # fmt: skip
+        assert report[key] > 0, key
+    assert report["state_bytes"] > 0 and not any(tmp_path.glob("ckpt-bench-*"))  # its files are cleaned up

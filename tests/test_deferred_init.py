@@ -267,7 +267,48 @@ def _set_up_big(rank: int, world: int, mode: str, partition: str, checkpoint: st
                 assert isinstance(tensor, DTensor)
                 result["loaded_equal"] = torch.equal(tensor.full_tensor(), saved[name])
                 break
+        result.update(_sharded_save_and_load(trainer, module, data, layout, Path(checkpoint).parent / "sharded"))
     return result
+
+
+def _local_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if isinstance(state, DTensor) else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(_local_bytes(v) for v in state.values())
+    return 0
+
+
+def _sharded_save_and_load(trainer: Any, module: Any, data: Any, layout: dict[str, Any], root: Path) -> dict[str, Any]:
+    """Peak RSS growth of a sharded save (synchronous, then async) and load, against this rank's shard's bytes
+    (model and AdamW state)."""
+    from lightning_scale.plugins import ShardedCheckpointIO
+
+    strategy = trainer.strategy
+    optimizer_state = strategy.optimizer_state(trainer.optimizers[0])  # AdamW's moments created here, not in the window
+    shard = _local_bytes(strategy.lightning_module_state_dict()) + _local_bytes(optimizer_state["state"])
+    del optimizer_state
+    out: dict[str, Any] = {"shard_mb": shard / 2**20}
+    before = _window_start()
+    trainer.save_checkpoint(root / "sync")
+    out["sharded_save"] = _peak_mb() - before
+    strategy.checkpoint_io = ShardedCheckpointIO(async_save=True)
+    strategy.checkpoint_io.process_group = None
+    before = _window_start()
+    trainer.save_checkpoint(root / "async")  # the first: allocates the host buffers later saves reuse
+    strategy.checkpoint_io.wait()
+    out["async_first"] = _peak_mb() - before
+    before = _window_start()
+    trainer.save_checkpoint(root / "async-again")
+    strategy.checkpoint_io.wait()
+    out["async_save"] = _peak_mb() - before
+    before = _window_start()
+    quiet_trainer(devices=trainer.world_size, strategy=HybridParallelStrategy(**layout)).validate(
+        module, datamodule=data, ckpt_path=str(root / "sync"), verbose=False
+    )
+    out["sharded_load"] = _peak_mb() - before
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +336,8 @@ def test_set_up_of_a_deferred_model_holds_its_shard_not_the_model(big_checkpoint
     report = {name: [round(r["set_up"]) for r in runs] for name, runs in
               (("deferred", deferred), ("deferred by_cost", by_cost), ("eager", eager))}  # fmt: skip
     report["checkpoint load"] = [round(r["load"]) for r in deferred]
+    for key in ("shard_mb", "sharded_save", "async_first", "async_save", "sharded_load"):
+        report[key] = [round(r[key]) for r in deferred]
     print(f"peak RSS growth per rank (MB) at tp=2 x pp=2, model {model_mb:.0f} MB: {report}")
     bound = 0.5 * model_mb
     assert max(report["deferred"]) <= bound and max(report["deferred by_cost"]) <= bound, report
@@ -302,3 +345,9 @@ def test_set_up_of_a_deferred_model_holds_its_shard_not_the_model(big_checkpoint
     # Loading the whole-model checkpoint (memory-mapped) reads only each rank's part.
     assert max(report["checkpoint load"]) <= bound, report
     assert all(r["loaded_equal"] for r in deferred)
+    # A sharded save (synchronous or async) and load grow each rank's peak by at most 1.5x its own shard
+    # (model and optimizer state), however big the model. The first async save allocates the host buffers
+    # (1x the shard) that the next ones reuse.
+    for r in deferred:
+        assert r["sharded_save"] <= 1.5 * r["shard_mb"] and r["sharded_load"] <= 1.5 * r["shard_mb"], report
+        assert r["async_save"] <= 1.5 * r["shard_mb"] and r["async_first"] <= 2.0 * r["shard_mb"], report

@@ -217,6 +217,15 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
         torch.equal(v, module.state_dict()[k].float()) for k, v in reloaded.items()
     )
 
+    # State JSON cannot hold: refused before anything is written.
+    module.on_save_checkpoint = lambda checkpoint: checkpoint.update(mine={"lock": __import__("threading").Lock()})
+    try:
+        trainer.save_checkpoint(root / "refused")
+        result["refused"] = "no error"
+    except TypeError as err:
+        result["refused"] = str(err)
+    result["refused_exists"] = (root / "refused").exists() or any(p.name.startswith(".refused") for p in root.iterdir())
+
     # "latest" passes over a broken newest checkpoint with a warning naming it.
     every = root / "every"
     _fit(root / "c", 4, callbacks=[ModelCheckpoint(dirpath=every, every_n_train_steps=2, save_top_k=-1, filename="{step}")])
@@ -282,6 +291,11 @@ def test_save_checkpoint_writes_a_directory_one_process_loads_whole(lightning_ap
     )
     files = sorted(p.name for p in (lightning_api["out"] / "manual").iterdir())
     assert files == [".metadata", "__0_0.distcp", "manifest.json", "rank-00000.json", "trainer_state.json"], files
+
+
+def test_state_that_json_cannot_hold_is_refused_before_anything_is_written(lightning_api) -> None:
+    assert re.search(r"rank 0: Cannot store extra/mine/lock \(a lock\)", lightning_api["refused"]), lightning_api["refused"]
+    assert not lightning_api["refused_exists"]
 
 
 def test_latest_skips_a_corrupted_checkpoint_with_a_warning_naming_the_file(lightning_api) -> None:
@@ -417,7 +431,7 @@ def test_a_weight_tied_across_pipeline_stages_is_stored_once(resharded) -> None:
 
 # ---------------------------------------------------------------- async saves, failures during a save
 
-BIG = GPTConfig(n_layers=2, d_model=128, n_heads=2, block_size=8, tie_embeddings=True)
+BIG = GPTConfig(n_layers=4, d_model=384, n_heads=2, block_size=8, tie_embeddings=True)  # ~85 MB of state per rank at tp=2
 
 
 def _rss_bytes() -> int:
@@ -438,6 +452,10 @@ def _full_state(trainer: Any) -> dict[str, torch.Tensor]:
 
 def _disk_full(*args: Any, **kwargs: Any) -> Any:
     raise OSError(28, "No space left on device")
+
+
+def _read_only(*args: Any, **kwargs: Any) -> Any:
+    raise PermissionError(13, "Permission denied")
 
 
 def _async_cases(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -496,6 +514,11 @@ def _async_cases(rank: int, world: int, out: str) -> dict[str, Any]:
             trainer.save_checkpoint(root / "ckpts" / "sync-full")
         except Exception as err:  # noqa: BLE001
             result["sync_error"] = f"{type(err).__name__}: {err}"
+        FileSystemWriter.write_data = _read_only
+        try:
+            trainer.save_checkpoint(root / "ckpts" / "read-only")
+        except Exception as err:  # noqa: BLE001
+            result["permission_error"] = f"{type(err).__name__}: {err}"
     finally:
         FileSystemWriter.write_data = original
     torch.distributed.barrier()
@@ -522,12 +545,15 @@ def test_twenty_async_saves_do_not_grow_host_memory_after_the_second(async_cases
     assert async_cases["kept"] == ["s18", "s19"]  # keep_last=2 ran in the background too
 
 
-def test_a_full_disk_during_a_save_is_a_clear_error_and_earlier_checkpoints_stay_intact(async_cases) -> None:
+def test_a_full_disk_or_a_permission_error_during_a_save_is_a_clear_error_and_earlier_checkpoints_stay_intact(async_cases) -> None:
     assert async_cases["returned"]
     for key in ("async_error", "sync_error"):
         message = async_cases[key]
         assert re.match(r"OSError: Saving the checkpoint .*ckpts/(full|sync-full) failed; earlier checkpoints are untouched", message)
         assert "rank 0: OSError: [Errno 28] No space left on device" in message, message
+    message = async_cases["permission_error"]
+    assert "ckpts/read-only failed; earlier checkpoints are untouched" in message, message
+    assert "rank 1: PermissionError: [Errno 13] Permission denied" in message, message
     # No staging directory, no partial checkpoint under the failed names; the last good ones verify.
     assert async_cases["after_failure"] == ["s18", "s19"], async_cases["after_failure"]
     assert async_cases["still_verify"] == [2, 2]

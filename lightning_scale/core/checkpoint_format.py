@@ -23,6 +23,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -48,7 +49,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-zA-Z_-]+$")
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -81,23 +82,29 @@ def staging_dir(final: Path, token: str) -> Path:
 
 
 def _sha256(path: Path) -> str:
+    """The file's SHA-256, reading the next chunk while the last one is hashed (both release the GIL)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+        pending = None
         while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(digest.update, chunk)
+        if pending is not None:
+            pending.result()
     return digest.hexdigest()
 
 
 def file_entries(root: Path, files: Iterable[Path | str]) -> list[dict[str, Any]]:
     """Manifest entries (relative path, size, SHA-256) of ``files`` under ``root``, each read once."""
     root = Path(root)
-    entries = []
-    for file in files:
-        path = Path(file)
-        path = path if path.is_absolute() else root / path
-        relative = path.resolve().relative_to(root.resolve()).as_posix()
-        entries.append({"path": relative, "bytes": path.stat().st_size, "sha256": _sha256(path)})
-    return entries
+    paths = [Path(f) if Path(f).is_absolute() else root / f for f in files]
+    with ThreadPoolExecutor(max(1, min(4, len(paths)))) as pool:  # several files hash at once
+        digests = list(pool.map(_sha256, paths))
+    return [
+        {"path": p.resolve().relative_to(root.resolve()).as_posix(), "bytes": p.stat().st_size, "sha256": d}
+        for p, d in zip(paths, digests)
+    ]
 
 
 def _fsync_dir(path: Path) -> None:

@@ -154,6 +154,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._async_group: Any = None
+        self._just_verified: str | None = None  # what `latest` verified, so the load that follows hashes nothing again
         self.process_group: dist.ProcessGroup | None = None
         """The processes that save and load together (None: the world); the strategy sets it."""
         self.resumed_from: Path | None = None
@@ -194,7 +195,17 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"{path} exists and is a file or link, not a checkpoint directory; remove it or save elsewhere."
             )
         rank = self._rank()
-        tensors, doc = self._split(checkpoint, rank)
+        try:
+            tensors, doc, problem = *self._split(checkpoint, rank), ""
+        except TypeError as err:
+            tensors, doc, problem = {}, None, f"rank {rank}: {err}"
+        if distributed(self.process_group):
+            # Every rank learns of a state that cannot be saved before any rank enters DCP's collectives.
+            problems: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(problems, problem, group=self.process_group)
+            problem = next((p for p in problems if p), "")
+        if problem:
+            raise TypeError(problem)
         files = {_rank_file(rank): _json_bytes({"rank": rank, "rng": collect_rng_states()})}
         if rank == 0:
             files[TRAINER_STATE] = _json_bytes(doc)
@@ -339,8 +350,9 @@ class ShardedCheckpointIO(CheckpointIO):
             checkpoint, rank = _load_whole(path), 0
         else:
             path = Path(self._broadcast(str(path)))
-            if not verified:
+            if not verified and str(path) != self._just_verified:
                 verify_distributed(path, group=self.process_group)
+            self._just_verified = None
             checkpoint, rank = self._load_into(path, template, strict), self._rank()
         rank_file = path / _rank_file(rank)
         checkpoint["lightning_scale"] = {
@@ -355,9 +367,13 @@ class ShardedCheckpointIO(CheckpointIO):
         extras = {
             k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{_EXTRA}/")
         }
+        doc = json.loads((path / TRAINER_STATE).read_text())
+        if "optimizer_states" not in doc:
+            # Saved with weights only: Lightning itself says so if it wants the optimizers' state.
+            template = {k: v for k, v in template.items() if k != "optimizer_states"}
         flat, numbers = _flatten_template(template)
         missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=True)
-        checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), extras)
+        checkpoint = decode(doc, extras)
         checkpoint["state_dict"] = {
             k: v for k, v in (template.get("state_dict") or {}).items() if f"{_MODEL}/{k}" not in missing
         }
@@ -402,6 +418,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 if self._rank() == 0:
                     warnings.warn(f"Skipping the broken checkpoint {candidate}: {err}", RuntimeWarning, stacklevel=2)
                 continue
+            self._just_verified = candidate
             return Path(candidate)
         return None
 
