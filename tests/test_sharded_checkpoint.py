@@ -355,6 +355,14 @@ def _reshard(rank: int, world: int, out: str) -> dict[str, Any]:
                 ckpt_path=str(root / source / "step=2.ckpt"),
             )
             result[f"{source}->{target}"] = (losses.first_step, losses.losses)
+    # Another model configuration: an error on every rank, also where only one pipeline stage lacks its blocks.
+    for name, config in (("deeper", dataclasses.replace(TINY, n_layers=4)), ("wider", dataclasses.replace(TINY, d_model=32))):
+        try:
+            _fit(root, 4, strategy=HybridParallelStrategy(**LAYOUTS["pp2"]), devices=world, config=config,
+                 ckpt_path=str(root / "pp2" / "step=2.ckpt"))  # fmt: skip
+            result[name] = "no error"
+        except (KeyError, ValueError) as err:
+            result[name] = f"{type(err).__name__}: {err}"
     # A Hugging Face model at pp=2 (for `consolidate` -> from_pretrained).
     from test_huggingface import HFModule
 
@@ -416,6 +424,15 @@ def test_parameters_and_optimizer_state_are_identical_after_resharding(resharded
                 assert torch.equal(theirs["state"][fqn][key], value), (target, fqn, key)
         assert theirs["param_groups"] == mine["param_groups"]
         assert again["lr_schedulers"] == saved["lr_schedulers"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_configuration_is_refused_on_every_rank_naming_what_differs(resharded) -> None:
+    _, result, _ = resharded
+    # 4 blocks at pp=2: the second stage's blocks 2-3 are not in the 2-block checkpoint; the first stage's are.
+    assert re.search(r"KeyError: .*has no \['model/model\.blocks\.2\.", result["deeper"]), result["deeper"]
+    assert re.search(r"ValueError: 'model/model\.tok_emb\.weight' has shape \(256, 16\) in the checkpoint .* and "
+                     r"\(256, 32\) here", result["wider"]), result["wider"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -540,8 +557,10 @@ def test_an_async_save_holds_the_values_from_before_save_returned(async_cases) -
 
 def test_twenty_async_saves_do_not_grow_host_memory_after_the_second(async_cases) -> None:
     rss, state = async_cases["rss"], async_cases["state_bytes"]
-    growth = max(rss[2:]) - rss[1]
-    assert growth < 0.5 * state, (growth, state, rss)
+    print(f"RSS after each of 20 async saves (MB): {[round(r / 2**20, 1) for r in rss]}; state {state / 2**20:.0f} MB")
+    # New buffers per save would add the whole state each time (18x by the last); the allocator moves RSS
+    # by some MB either way (measured: +-10 MB around flat, on 82 MB of state).
+    assert rss[-1] - rss[1] < 0.5 * state and max(rss[2:]) - rss[1] < 1.0 * state, (state, rss)
     assert async_cases["kept"] == ["s18", "s19"]  # keep_last=2 ran in the background too
 
 

@@ -271,25 +271,29 @@ def load_sharded(
     verified: bool = False,
 ) -> list[str]:
     """Verify the checkpoint at ``path`` (unless ``verified``), then load it into ``state``'s tensors in
-    place (DCP: each rank reads what its shards need, from any layout). Returns the keys of ``state``
-    the checkpoint lacks (``strict``: a ``KeyError`` naming them instead); a shape or dtype-kind
-    mismatch is a ``ValueError`` naming the key."""
+    place (DCP: each rank reads what its shards need, from any layout; dtypes are cast). Returns the
+    keys of ``state`` the checkpoint lacks (``strict``: a ``KeyError`` naming them instead); a shape
+    mismatch is a ``ValueError`` naming the key. Either is raised on every rank, before DCP's collectives."""
     path = Path(path)
     if not verified:
         verify_distributed(path, group=group)
     saved = read_tensor_metadata(path)
     missing = [k for k in state if k not in saved]
+    problem: tuple[str, str] | None = None
     if missing and strict:
-        raise KeyError(
+        problem = ("KeyError", (
             f"The checkpoint {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} entries "
             "missing). Load it into the model it was saved from, or non-strictly (LightningModule.strict_loading=False)."
-        )
+        ))  # fmt: skip
     for key, tensor in state.items():
-        if key in saved and tuple(saved[key].size) != _global_shape(tensor):
-            raise ValueError(
+        if problem is None and key in saved and tuple(saved[key].size) != _global_shape(tensor):
+            problem = ("ValueError", (
                 f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint {path} and {_global_shape(tensor)} "
                 "here: the checkpoint is of another model configuration."
-            )
+            ))  # fmt: skip
+    problem = next((p for p in _gather(problem, group) if p is not None), None)
+    if problem is not None:
+        raise (KeyError if problem[0] == "KeyError" else ValueError)(problem[1])
     request = {k: v for k, v in state.items() if k in saved}
     dcp.load(
         request,

@@ -245,7 +245,8 @@ class HybridParallelStrategy(
             rank_zero_info(f"HybridParallelStrategy: {layout}{detail} on {self.world_size} processes")
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
         module._device_mesh = self._device_mesh
-        self._install_checkpoint_path_resolver(module.trainer)
+        if module._trainer is not None:
+            self._install_checkpoint_path_resolver(module._trainer)
 
     def _setup_distributed(self) -> None:
         self.set_world_ranks()
