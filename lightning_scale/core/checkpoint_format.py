@@ -81,10 +81,22 @@ def staging_dir(final: Path, token: str) -> Path:
     return final.parent / f".{final.name}.staging-{token}"
 
 
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    """Long-lived hashing threads: threads made per save would each bring the allocator a new arena."""
+    if name not in _POOLS:
+        _POOLS[name] = ThreadPoolExecutor(4, thread_name_prefix=f"lightning-scale-{name}")
+    return _POOLS[name]
+
+
 def _sha256(path: Path) -> str:
     """The file's SHA-256, reading the next chunk while the last one is hashed (both release the GIL)."""
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:
+    hasher = _pool("hash")
+    with open(path, "rb", buffering=0) as f:
         pending = None
         while chunk := f.read(_CHUNK):
             if pending is not None:
@@ -99,8 +111,7 @@ def file_entries(root: Path, files: Iterable[Path | str]) -> list[dict[str, Any]
     """Manifest entries (relative path, size, SHA-256) of ``files`` under ``root``, each read once."""
     root = Path(root)
     paths = [Path(f) if Path(f).is_absolute() else root / f for f in files]
-    with ThreadPoolExecutor(max(1, min(4, len(paths)))) as pool:  # several files hash at once
-        digests = list(pool.map(_sha256, paths))
+    digests = list(_pool("files").map(_sha256, paths))  # several files hash at once
     return [
         {"path": p.resolve().relative_to(root.resolve()).as_posix(), "bytes": p.stat().st_size, "sha256": d}
         for p, d in zip(paths, digests)
