@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_scale.core.checkpoint_format import (
@@ -35,43 +34,39 @@ from lightning_scale.core.checkpoint_format import (
     scan,
     verify,
 )
-from lightning_scale.core.checkpoint_state import decode, encode
+from lightning_scale.core.checkpoint_state import decode
 from lightning_scale.core.sharded_checkpoint import (
     StagingWriter,
     distributed,
-    full_tensors_from,
     load_sharded,
     read_tensor_metadata,
     save_sharded,
     verify_distributed,
+)
+from lightning_scale.plugins._checkpoint_layout import (
+    EXTRA,
+    MODEL,
+    TRAINER_STATE,
+    flatten_template,
+    load_whole,
+    restored_optimizer,
+    split_checkpoint,
 )
 from lightning_scale.plugins._rng import collect_rng_states
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
     "ShardedCheckpointIO",
-    "is_sharded_checkpoint",
     "load_from_checkpoint",
     "load_full_checkpoint",
 ]
 
-TRAINER_STATE = "trainer_state.json"
 PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
-_MODEL, _OPTIM, _EXTRA = "model", "optim", "extra"
-_LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
 _AUTO_RESUME = (True, False, "on_restart")
 
 
 def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
-
-
-def is_sharded_checkpoint(path: Any) -> bool:
-    """A directory written by :class:`ShardedCheckpointIO` (it has a manifest; it may still be broken)."""
-    try:
-        return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
-    except (TypeError, OSError):
-        return False
 
 
 def restarted() -> bool:
@@ -196,7 +191,7 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         rank = self._rank()
         try:
-            tensors, doc, problem = *self._split(checkpoint, rank), ""
+            tensors, doc, problem = *split_checkpoint(checkpoint, rank), ""
         except TypeError as err:
             tensors, doc, problem = {}, None, f"rank {rank}: {err}"
         if distributed(self.process_group):
@@ -229,9 +224,9 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._async_group = dist.new_group(ranks=ranks, backend="gloo")
         # The snapshot: the model's and optimizers' tensors into the reused host buffers, the rest
         # (small, and keyed by names that change from save to save) cloned.
-        big = {k: v for k, v in tensors.items() if not k.startswith(f"{_EXTRA}/")}
+        big = {k: v for k, v in tensors.items() if not k.startswith(f"{EXTRA}/")}
         staged = self._writer.stage(big)
-        staged.update({k: v.detach().clone() for k, v in tensors.items() if k.startswith(f"{_EXTRA}/")})
+        staged.update({k: v.detach().clone() for k, v in tensors.items() if k.startswith(f"{EXTRA}/")})
         assert self._executor is not None
         self._pending = self._executor.submit(
             self._write, path, staged, files, metadata, token, self._async_group, self._writer
@@ -267,42 +262,6 @@ class ShardedCheckpointIO(CheckpointIO):
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-
-    def _split(self, checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str, Tensor], Any]:
-        """``(tensors, doc)``: every tensor under a flat key, and rank 0's JSON of the rest."""
-        tensors: dict[str, Tensor] = {}
-        for name, value in (checkpoint.get("state_dict") or {}).items():
-            if not isinstance(value, Tensor):
-                raise TypeError(
-                    f"state_dict[{name!r}] is a {type(value).__name__}: a module's extra state must be a tensor to be "
-                    "saved in a sharded checkpoint."
-                )
-            tensors[f"{_MODEL}/{name}"] = value
-        optimizers = []
-        for i, state in enumerate(checkpoint.get("optimizer_states") or []):
-            for fqn, entries in state.get("state", {}).items():
-                for key, value in entries.items():
-                    if value is None:
-                        continue
-                    if not isinstance(value, Tensor):
-                        if isinstance(value, bool) or not isinstance(value, (int, float)):
-                            raise TypeError(
-                                f"Optimizer {i}'s state {key!r} of {fqn!r} is a {type(value).__name__}; a sharded "
-                                "checkpoint holds tensors and numbers per parameter."
-                            )
-                        value = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
-                    tensors[f"{_OPTIM}/{i}/{fqn}/{key}"] = value
-            optimizers.append({"param_groups": [_hyper(g) for g in state.get("param_groups", [])]})
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if "optimizer_states" in checkpoint:
-            rest["optimizer_states"] = optimizers
-        extras: dict[str, Tensor] = {}
-        doc = encode(rest, extras, prefix=_EXTRA, lenient=lambda p: bool(p) and p[0] in _LENIENT)
-        for key, value in extras.items():
-            # Rank 0's state is the checkpoint's (as with Lightning's rank-0 save); a DTensor needs every rank's shard.
-            if rank == 0 or isinstance(value, DTensor):
-                tensors[key] = value
-        return tensors, doc
 
     def apply_retention(self, root: Path) -> list[Path]:
         """Delete the checkpoints in ``root`` beyond ``keep_last``/``keep_every`` (rank 0 only); returns them."""
@@ -347,7 +306,7 @@ class ShardedCheckpointIO(CheckpointIO):
             path = Path(path)
             if not verified:
                 verify(path)
-            checkpoint, rank = _load_whole(path), 0
+            checkpoint, rank = load_whole(path), 0
         else:
             path = Path(self._broadcast(str(path)))
             if not verified and str(path) != self._just_verified:
@@ -365,22 +324,22 @@ class ShardedCheckpointIO(CheckpointIO):
     def _load_into(self, path: Path, template: Mapping[str, Any], strict: bool) -> dict[str, Any]:
         saved = read_tensor_metadata(path)
         extras = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{_EXTRA}/")
+            k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{EXTRA}/")
         }
         doc = json.loads((path / TRAINER_STATE).read_text())
         if "optimizer_states" not in doc:
             # Saved with weights only: Lightning itself says so if it wants the optimizers' state.
             template = {k: v for k, v in template.items() if k != "optimizer_states"}
-        flat, numbers = _flatten_template(template)
+        flat, numbers = flatten_template(template)
         missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=True)
         checkpoint = decode(doc, extras)
         checkpoint["state_dict"] = {
-            k: v for k, v in (template.get("state_dict") or {}).items() if f"{_MODEL}/{k}" not in missing
+            k: v for k, v in (template.get("state_dict") or {}).items() if f"{MODEL}/{k}" not in missing
         }
         if "optimizer_states" in template:
             saved_optimizers = checkpoint.get("optimizer_states") or []
             checkpoint["optimizer_states"] = [
-                _restored_optimizer(
+                restored_optimizer(
                     state, i, saved_optimizers[i]["param_groups"] if i < len(saved_optimizers) else None, numbers
                 )
                 for i, state in enumerate(template["optimizer_states"])
@@ -445,20 +404,6 @@ class ShardedCheckpointIO(CheckpointIO):
 # ---------------------------------------------------------------------- helpers
 
 
-def _load_whole(path: Path) -> dict[str, Any]:
-    """Every tensor of the checkpoint whole, on the CPU, in the structure Lightning's checkpoints have."""
-    loaded = full_tensors_from(path)
-    checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), loaded)
-    checkpoint["state_dict"] = state = {k[len(_MODEL) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{_MODEL}/")}
-    for names in json.loads((path / "manifest.json").read_text()).get("tied") or []:
-        for alias in names[1:]:
-            if names[0] in state:
-                state[alias] = state[names[0]]  # one tensor under every name, as the module shares it
-    for i, state in enumerate(checkpoint.get("optimizer_states") or []):
-        state["state"] = _unflatten_optimizer(loaded, i)
-    return checkpoint
-
-
 def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint directory as one Lightning checkpoint dict, every tensor whole on the CPU,
     read (and verified) by this process alone: what ``torch.load`` gives for a ``.ckpt`` file."""
@@ -499,60 +444,3 @@ def _versions(checkpoint: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _flatten_template(template: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, tuple[type, Tensor]]]:
-    """Flat keys of the template's tensors; ``numbers``: where the live value is a Python number, its
-    type and the 0-d tensor that receives it."""
-    flat: dict[str, Tensor] = {}
-    numbers: dict[str, tuple[type, Tensor]] = {}
-    for name, value in (template.get("state_dict") or {}).items():
-        flat[f"{_MODEL}/{name}"] = value
-    for i, state in enumerate(template.get("optimizer_states") or []):
-        for fqn, entries in state.get("state", {}).items():
-            for key, value in entries.items():
-                flat_key = f"{_OPTIM}/{i}/{fqn}/{key}"
-                if isinstance(value, Tensor):
-                    flat[flat_key] = value
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    box = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
-                    numbers[flat_key] = (type(value), box)
-                    flat[flat_key] = box
-    return flat, numbers
-
-
-def _restored_optimizer(
-    state: Mapping[str, Any],
-    index: int,
-    saved_groups: list[dict[str, Any]] | None,
-    numbers: Mapping[str, tuple[type, Tensor]],
-) -> dict[str, Any]:
-    """The template's optimizer state (loaded in place) with the saved hyper-parameters per group."""
-    restored: dict[str, Any] = {"state": {}, "param_groups": []}
-    for fqn, entries in state.get("state", {}).items():
-        out = {}
-        for key, value in entries.items():
-            number = numbers.get(f"{_OPTIM}/{index}/{fqn}/{key}")
-            out[key] = value if number is None else number[0](number[1].item())
-        restored["state"][fqn] = out
-    groups = list(state.get("param_groups", []))
-    if saved_groups is not None and len(saved_groups) != len(groups):
-        raise ValueError(
-            f"Optimizer {index} has {len(groups)} parameter groups here and {len(saved_groups)} in the checkpoint: "
-            "configure_optimizers must build the same groups to resume."
-        )
-    for i, group in enumerate(groups):
-        restored["param_groups"].append({**group, **(saved_groups[i] if saved_groups else {}), "params": group["params"]})
-    return restored
-
-
-def _unflatten_optimizer(loaded: Mapping[str, Tensor], index: int) -> dict[str, dict[str, Tensor]]:
-    prefix = f"{_OPTIM}/{index}/"
-    state: dict[str, dict[str, Tensor]] = {}
-    for key, value in loaded.items():
-        if key.startswith(prefix):
-            fqn, _, name = key[len(prefix) :].rpartition("/")
-            state.setdefault(fqn, {})[name] = value
-    return state
