@@ -185,3 +185,73 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
     (tmp_path / "step-000003" / "__1_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointCorruptError, match=r"__1_0.distcp has 1 bytes"):
         load_sharded(tmp_path / "step-000003", state)
+
+
+def _three_tensors(root: Path) -> tuple[Path, dict]:
+    import torch
+
+    from lightning_scale.core.sharded_checkpoint import save_sharded
+
+    state = {"big": torch.arange(50_000, dtype=torch.float32), "small": torch.ones(4), "mid": torch.randn(3000)}
+    return save_sharded(root / checkpoint_name(1), state, metadata={"global_step": 1}, token="tok"), state
+
+
+def _flip(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp_path: Path) -> None:
+    import torch
+
+    from lightning_scale.core.shard_reader import ShardReader
+    from lightning_scale.core.sharded_checkpoint import load_sharded
+
+    path, state = _three_tensors(tmp_path)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert load_sharded(path, into) == [] and all(torch.equal(into[k], v) for k, v in state.items())
+    # Every byte read once: the file the load read whole is the one it hashed.
+    reader = ShardReader(path, expected={e["path"]: e for e in verify(path)["files"]})
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({k: torch.zeros_like(v) for k, v in state.items()}, storage_reader=reader, no_dist=True)
+    assert reader.hashed == ["__0_0.distcp"]
+
+    shard = path / "__0_0.distcp"
+    size = shard.stat().st_size
+    _flip(shard, size // 2)  # inside a tensor's bytes: decodes fine, the hash says otherwise
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+        load_sharded(path, {k: torch.zeros_like(v) for k, v in state.items()})
+    # A load of one small tensor reads less than half the file; the rest is hashed after.
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+        load_sharded(path, {"small": torch.zeros(4)})
+    _flip(shard, size // 2)
+    load_sharded(path, {"small": torch.zeros(4)})  # intact again
+    _flip(shard, 10)  # a zip header: decoding fails first, the hash names the file
+    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+        load_sharded(path, {k: torch.zeros_like(v) for k, v in state.items()})
+
+
+def test_paths_and_urls_name_one_place_and_a_protocol_nobody_installed_says_what_to_install(tmp_path: Path) -> None:
+    import fsspec
+
+    from lightning_scale.core.storage import RemotePath, as_path, renames_atomically
+
+    assert as_path(str(tmp_path)) == tmp_path and renames_atomically(tmp_path)
+    url = as_path("memory://storage-test/run")
+    assert isinstance(url, RemotePath) and str(url) == "memory:///storage-test/run" and as_path(str(url)) == url
+    assert not renames_atomically(url)  # written in place, the manifest last
+    assert renames_atomically(as_path(f"file://{tmp_path}"))
+    child = url / "step-000001"
+    child.mkdir(parents=True, exist_ok=True)
+    with (child / "a.json").open("wb") as f:
+        f.write(b"{}")
+    assert child.parent == url and child.name == "step-000001" and [p.name for p in url.iterdir()] == ["step-000001"]
+    assert (child / "a.json").read_text() == "{}" and (child / "a.json").stat().st_size == 2
+    assert (child / "a.json").relative_to(url).as_posix() == "step-000001/a.json"
+    fsspec.filesystem("memory").rm("/storage-test", recursive=True)
+    with pytest.raises(ValueError, match=r"Cannot open the checkpoint location 'nosuchfs://b/x'.*lightning-scale\[s3\]"):
+        as_path("nosuchfs://b/x")
+    with pytest.raises(TypeError, match=r"must be a str or os.PathLike, got int"):
+        as_path(3)

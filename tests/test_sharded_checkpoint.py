@@ -258,6 +258,48 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
         callbacks=[ModelCheckpoint(dirpath=kept, every_n_train_steps=1, save_top_k=-1, filename="{step}")],
     )
     result["kept"] = _dirs(kept)
+
+    # A URL: fsspec's memory filesystem, which like an object store cannot rename a directory, so each
+    # checkpoint is written in place and its manifest, written last, commits it.
+    import contextlib
+    import io as _io
+
+    import fsspec
+
+    from lightning_scale.cli.ckpt import main as ckpt_main
+    from lightning_scale.core.checkpoint_format import scan
+
+    remote = "memory://lightning-api/ckpts"
+
+    def every_two() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=remote, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+
+    _fit(root / "e", 8, stop_at=6, io=ShardedCheckpointIO(keep_last=2), callbacks=[every_two()])
+    memory = fsspec.filesystem("memory")
+    result["remote_after_stop"] = sorted(p.rsplit("/", 1)[-1] for p in memory.ls("/lightning-api/ckpts", detail=False))
+    memory.pipe_file("/lightning-api/ckpts/step=8.ckpt/__0_0.distcp", b"partial")  # a save that died before its manifest
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed, module, _ = _fit(
+            root / "e", 8, io=ShardedCheckpointIO(keep_last=2), callbacks=[every_two()], ckpt_path="latest"
+        )
+    result["remote_first_step"], result["remote_losses"] = resumed.first_step, resumed.losses
+    result["remote_state"] = {k: v.clone() for k, v in module.state_dict().items()}
+    result["remote_warnings"] = [str(w.message) for w in caught if "not a checkpoint" in str(w.message)]
+    good, bad = scan(remote)
+    result["remote_good"] = [(c.path.name, c.step) for c in good]
+    result["remote_bad"] = [str(path) for path, _ in bad]
+    out = _io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result["remote_verify_status"] = ckpt_main(["verify", remote])
+        ckpt_main(["consolidate", str(good[-1].path), str(root / "remote.safetensors")])
+    result["remote_cli"] = out.getvalue()
+    from safetensors.torch import load_file
+
+    consolidated = load_file(root / "remote.safetensors")
+    result["remote_consolidated_equal"] = all(
+        torch.equal(consolidated[k], v) for k, v in module.state_dict().items() if k in consolidated
+    ) and len(consolidated) > 0
     return result
 
 
@@ -290,7 +332,9 @@ def test_save_checkpoint_writes_a_directory_one_process_loads_whole(lightning_ap
         lightning_api["manual_keys"]
     )
     files = sorted(p.name for p in (lightning_api["out"] / "manual").iterdir())
-    assert files == [".metadata", "__0_0.distcp", "manifest.json", "rank-00000.json", "trainer_state.json"], files
+    # Two shard files: ShardedCheckpointIO's thread_count=2 (a load reads and hashes them side by side).
+    expected = [".metadata", "__0_0.distcp", "__0_1.distcp", "manifest.json", "rank-00000.json", "trainer_state.json"]
+    assert files == expected, files
 
 
 def test_state_that_json_cannot_hold_is_refused_before_anything_is_written(lightning_api) -> None:
@@ -311,6 +355,23 @@ def test_a_relaunch_resumes_from_latest_with_no_ckpt_path(lightning_api) -> None
 
 def test_retention_keeps_the_newest_and_every_nth(lightning_api) -> None:
     assert lightning_api["kept"] == ["step=4.ckpt", "step=6.ckpt", "step=7.ckpt"]
+
+
+def test_checkpoints_at_a_url_save_retain_resume_from_latest_and_skip_a_save_that_died(lightning_api) -> None:
+    r = lightning_api
+    assert r["remote_after_stop"] == ["step=4.ckpt", "step=6.ckpt"], r["remote_after_stop"]  # keep_last=2
+    # The directory left without a manifest is passed over, naming it; the run resumes at 6 and ends as
+    # the run that never stopped.
+    (warning,) = r["remote_warnings"]
+    assert re.search(r"memory:///lightning-api/ckpts/step=8\.ckpt, not a checkpoint: .*manifest\.json is missing", warning)
+    assert r["remote_first_step"] == 6 and r["remote_losses"] == r["straight"][6:]
+    for name, value in r["straight_state"].items():
+        assert torch.equal(r["remote_state"][name], value), name
+    assert [step for _, step in r["remote_good"]] == [6, 8], r["remote_good"]
+    assert r["remote_bad"] == ["memory:///lightning-api/ckpts/step=8.ckpt"]
+    # lightning-scale-ckpt reads URLs: verify flags the broken directory, consolidate reads the newest.
+    assert r["remote_verify_status"] == 0 and "OK     memory:///lightning-api/ckpts/" in r["remote_cli"], r["remote_cli"]
+    assert r["remote_consolidated_equal"]
 
 
 
@@ -541,6 +602,23 @@ def _async_cases(rank: int, world: int, out: str) -> dict[str, Any]:
     torch.distributed.barrier()
     result["after_failure"] = sorted(p.name for p in (root / "ckpts").iterdir())
     result["still_verify"] = [verify(root / "ckpts" / d)["global_step"] for d in _dirs(root / "ckpts")]
+
+    # A URL, through DCP's fsspec writer and reader on both ranks (file://: the one fsspec filesystem
+    # that two processes share here), async and sync; loaded back in place into perturbed weights.
+    remote = f"file://{root}/remote"
+    weights = {k: v for k, v in _full_state(trainer).items() if k.startswith("model/")}
+    for mode in ("async", "sync"):
+        io.async_save = mode == "async"
+        trainer.save_checkpoint(f"{remote}/{mode}")
+        io.wait()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+        trainer.strategy.load_checkpoint(f"{remote}/{mode}")
+        after = _full_state(trainer)
+        result[f"url_{mode}_equal"] = all(torch.equal(after[k], v) for k, v in weights.items())
+    torch.distributed.barrier()
+    result["url_dirs"] = _dirs(root / "remote")
     return result
 
 
@@ -576,6 +654,11 @@ def test_a_full_disk_or_a_permission_error_during_a_save_is_a_clear_error_and_ea
     # No staging directory, no partial checkpoint under the failed names; the last good ones verify.
     assert async_cases["after_failure"] == ["s18", "s19"], async_cases["after_failure"]
     assert async_cases["still_verify"] == [2, 2]
+
+
+def test_a_url_checkpoint_is_written_and_read_by_every_rank_async_or_not(async_cases) -> None:
+    assert async_cases["url_async_equal"] and async_cases["url_sync_equal"]
+    assert async_cases["url_dirs"] == ["async", "sync"]  # committed by rename (file:// can), no staging left
 
 
 # ---------------------------------------------------------------- preemption

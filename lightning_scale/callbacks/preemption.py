@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -24,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.core.checkpoint_format import checkpoint_name
+from lightning_scale.core.storage import AnyPath, as_path
 from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedCheckpointIO
 
 __all__ = ["Preempted", "PreemptionCheckpoint"]
@@ -65,7 +65,7 @@ class PreemptionCheckpoint(Callback):
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
             raise ValueError(f"exit_code={exit_code!r} must be an integer from 1 to 255 (0 would end a torchrun job).")
         self.signals = tuple(signals)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = dirpath
         self.exit_code = exit_code
         self.requeue = requeue
         self.received: int | None = None
@@ -82,6 +82,14 @@ class PreemptionCheckpoint(Callback):
             return
         for name in self.signals:
             sig = _SIGNALS[name]
+            if signal.getsignal(sig) is None:
+                # Installed outside Python (faulthandler.register, a native library): Python can neither
+                # chain to it nor put it back.
+                rank_zero_warn(
+                    f"PreemptionCheckpoint: {name} has a handler installed outside Python (e.g. faulthandler.register); "
+                    f"it is replaced during fit and {name} has its default action afterwards. Pass "
+                    f"PreemptionCheckpoint(signals=...) without {name} to keep it."
+                )
             try:
                 self._previous[sig] = signal.signal(sig, self._handler)
             except ValueError:  # not the main thread: signals cannot be handled here
@@ -119,16 +127,18 @@ class PreemptionCheckpoint(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _dirpath(self, trainer: Trainer) -> Path:
+    def _dirpath(self, trainer: Trainer) -> AnyPath:
+        io = trainer.strategy.checkpoint_io
+        sharded = isinstance(io, ShardedCheckpointIO)
+        convert = io.as_path if sharded else as_path
         if self.dirpath is not None:
-            return self.dirpath
+            return convert(self.dirpath)
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback, "dirpath", None):
-                return Path(callback.dirpath)
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, ShardedCheckpointIO) and io.dirpath is not None:
+                return convert(callback.dirpath)
+        if sharded and io.dirpath is not None:
             return io.dirpath
-        return Path(trainer.default_root_dir) / "checkpoints"
+        return convert(trainer.default_root_dir) / "checkpoints"
 
     @override
     def on_train_batch_end(

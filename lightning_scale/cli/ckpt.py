@@ -29,7 +29,9 @@ from lightning_scale.core.checkpoint_format import (
     find_checkpoints,
     verify,
 )
+from lightning_scale.core.shard_reader import SafeFileSystemReader
 from lightning_scale.core.sharded_checkpoint import full_tensors_from, read_tensor_metadata
+from lightning_scale.core.storage import AnyPath, as_path
 
 __all__ = ["consolidate", "inspect", "main"]
 
@@ -58,9 +60,10 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def inspect(path: Path, *, tensors: bool = False) -> dict[str, Any]:
+def inspect(path: AnyPath, *, tensors: bool = False) -> dict[str, Any]:
     """What a checkpoint holds: the manifest's facts and its tensors by kind (no tensor data is read)."""
-    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    path = as_path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
     saved = read_tensor_metadata(path)
     kinds: dict[str, dict[str, int]] = {}
     listing = []
@@ -90,7 +93,7 @@ def inspect(path: Path, *, tensors: bool = False) -> dict[str, Any]:
     return info
 
 
-def _weights(path: Path, prefix: str) -> list[tuple[str, str]]:
+def _weights(path: AnyPath, prefix: str) -> list[tuple[str, str]]:
     """``(checkpoint key, output name)`` of every model tensor, with the tied copies the manifest lists."""
     manifest = json.loads((path / MANIFEST).read_text())
     saved = read_tensor_metadata(path)
@@ -107,13 +110,14 @@ def _weights(path: Path, prefix: str) -> list[tuple[str, str]]:
     return out
 
 
-def consolidate(path: Path, out: Path, *, dtype: str | None = None, hf: bool | None = None) -> Path:
+def consolidate(path: AnyPath, out: Path, *, dtype: str | None = None, hf: bool | None = None) -> Path:
     """Write the checkpoint's whole weights as one safetensors file, one tensor in memory at a time.
 
     ``hf`` (default: when the checkpoint records a Hugging Face model): names relative to the HF
     model, ``config.json`` beside it, ``out`` a directory. Returns the safetensors file written."""
-    path, out = Path(path), Path(out)
+    path, out = as_path(path), Path(out)
     manifest = verify(path)  # every file present and intact before a byte is written
+    metadata = SafeFileSystemReader(path).read_metadata()  # read once for every tensor
     saved = read_tensor_metadata(path)
     huggingface = manifest.get("huggingface") or None
     hf = huggingface is not None if hf is None else hf
@@ -150,11 +154,11 @@ def consolidate(path: Path, out: Path, *, dtype: str | None = None, hf: bool | N
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for key, target, size in plan:
-            tensor = full_tensors_from(path, [key])[key].to(target).contiguous()
-            data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            tensor = full_tensors_from(path, [key], metadata=metadata)[key].to(target).contiguous()
+            data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
             if len(data) != size:
                 raise RuntimeError(f"{key}: wrote {len(data)} bytes, expected {size}.")
-            f.write(data)
+            f.write(data)  # the tensor's own bytes, no copy
             del tensor, data
     tmp.replace(file)
     if hf:
@@ -165,7 +169,7 @@ def consolidate(path: Path, out: Path, *, dtype: str | None = None, hf: bool | N
 
 def _verify_all(targets: Sequence[str]) -> int:
     status = 0
-    for target in map(Path, targets):
+    for target in map(as_path, targets):
         # A directory holding checkpoints, or one checkpoint (or what is left of one).
         paths = [c.path for c in find_checkpoints(target)] if not (target / MANIFEST).is_file() else []
         for path in paths or [target]:
@@ -197,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify_all(args.paths)
         if args.command == "inspect":
-            verify(Path(args.checkpoint), checksums=False)
-            info = inspect(Path(args.checkpoint), tensors=args.tensors)
+            verify(as_path(args.checkpoint), checksums=False)
+            info = inspect(args.checkpoint, tensors=args.tensors)
             if args.json:
                 print(json.dumps(info, indent=2))
             else:
@@ -208,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for t in info.get("tensors", []):
                     print(f"  {t['key']}  {t['dtype']}{t['shape']}")
             return 0
-        file = consolidate(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
+        file = consolidate(args.checkpoint, Path(args.out), dtype=args.dtype)
         print(f"wrote {file}")
         return 0
     except (CheckpointCorruptError, ValueError, OSError) as err:

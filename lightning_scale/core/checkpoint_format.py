@@ -19,14 +19,23 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
+
+from lightning_scale.core.storage import (
+    AnyPath,
+    RemotePath,
+    as_path,
+    renames_atomically,
+    replace,
+    rmtree,
+    write_durable,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -34,6 +43,7 @@ __all__ = [
     "CheckpointCorruptError",
     "Checkpoint",
     "checkpoint_name",
+    "clear_in_place",
     "commit",
     "file_entries",
     "find_checkpoints",
@@ -50,6 +60,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-zA-Z_-]+$")
 _CHUNK = 4 << 20
+_SHARD = re.compile(r"__\d+_\d+\.distcp")
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -60,7 +71,7 @@ class CheckpointCorruptError(RuntimeError):
 class Checkpoint:
     """A committed checkpoint directory and what its manifest says."""
 
-    path: Path
+    path: AnyPath
     step: int
     manifest: Mapping[str, Any]
 
@@ -72,12 +83,17 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def staging_dir(final: Path, token: str) -> Path:
+def staging_dir(final: AnyPath, token: str) -> AnyPath:
     """The hidden sibling a checkpoint is written into before :func:`commit` renames it to ``final``.
-    ``token`` must be the same on every process writing it (e.g. broadcast from rank 0)."""
+    ``token`` must be the same on every process writing it (e.g. broadcast from rank 0).
+
+    Where directories cannot be renamed atomically (object stores), this is ``final`` itself: the
+    checkpoint is written in place and its manifest, one object written last, is the commit."""
     if not re.fullmatch(r"[0-9a-zA-Z_-]+", token):
         raise ValueError(f"token={token!r} must be letters, digits, '_' or '-'.")
-    final = Path(final)
+    final = as_path(final)
+    if not renames_atomically(final):
+        return final
     return final.parent / f".{final.name}.staging-{token}"
 
 
@@ -85,40 +101,74 @@ _POOLS: dict[str, ThreadPoolExecutor] = {}
 os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
 
 
-def _pool(name: str) -> ThreadPoolExecutor:
-    """Long-lived hashing threads: threads made per save would each bring the allocator a new arena."""
+def thread_pool(name: str) -> ThreadPoolExecutor:
+    """Long-lived worker threads for checkpoint I/O and hashing, by use: threads made per save would
+    each bring the allocator a new arena."""
     if name not in _POOLS:
         _POOLS[name] = ThreadPoolExecutor(4, thread_name_prefix=f"lightning-scale-{name}")
     return _POOLS[name]
 
 
-def _sha256(path: Path) -> str:
-    """The file's SHA-256, reading the next chunk while the last one is hashed (both release the GIL)."""
-    digest = hashlib.sha256()
-    hasher = _pool("hash")
-    with open(path, "rb", buffering=0) as f:
-        pending = None
+class StreamHash:
+    """The SHA-256 of chunks given in order, each hashed on a worker thread while the caller reads
+    or decodes the next (hashlib releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self._pending: Any = None
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._pending = thread_pool("hash").submit(self._digest.update, data)
+
+    def hexdigest(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        return self._digest.hexdigest()
+
+
+def is_shard_file(name: str) -> bool:
+    """A DCP data file (``__<rank>_<n>.distcp``): the bulk of a checkpoint, hashed as it is loaded."""
+    return bool(_SHARD.fullmatch(PurePosixPath(name).name))
+
+
+def _sha256(path: AnyPath) -> str:
+    """The file's SHA-256, reading the next chunk while the last one is hashed."""
+    digest = StreamHash()
+    with path.open("rb") if isinstance(path, RemotePath) else open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            if pending is not None:
-                pending.result()
-            pending = hasher.submit(digest.update, chunk)
-        if pending is not None:
-            pending.result()
+            digest.update(chunk)
     return digest.hexdigest()
 
 
-def file_entries(root: Path, files: Iterable[Path | str]) -> list[dict[str, Any]]:
-    """Manifest entries (relative path, size, SHA-256) of ``files`` under ``root``, each read once."""
-    root = Path(root)
-    paths = [Path(f) if Path(f).is_absolute() else root / f for f in files]
-    digests = list(_pool("files").map(_sha256, paths))  # several files hash at once
+def file_entries(
+    root: AnyPath, files: Iterable[str], *, known: Mapping[str, tuple[int, str]] | None = None
+) -> list[dict[str, Any]]:
+    """Manifest entries (relative path, size, SHA-256) of ``files`` (names relative to ``root``), each
+    read once. ``known``: ``{name: (size, SHA-256)}`` taken while writing; used when the file on disk
+    has that size."""
+    root = as_path(root)
+    files = list(files)
+    paths = [root / f for f in files]
+    sizes = [p.stat().st_size for p in paths]
+    known = known or {}
+
+    def digest(i: int) -> str:
+        size_and_hash = known.get(files[i])
+        return size_and_hash[1] if size_and_hash and size_and_hash[0] == sizes[i] else _sha256(paths[i])
+
+    digests = list(thread_pool("files").map(digest, range(len(paths))))  # several files hash at once
     return [
-        {"path": p.resolve().relative_to(root.resolve()).as_posix(), "bytes": p.stat().st_size, "sha256": d}
-        for p, d in zip(paths, digests)
+        {"path": p.resolve().relative_to(root.resolve()).as_posix(), "bytes": size, "sha256": d}
+        for p, size, d in zip(paths, sizes, digests)
     ]
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: AnyPath) -> None:
+    if isinstance(path, RemotePath):
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # some filesystems cannot open directories
@@ -131,7 +181,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(staging: Path, entries: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]) -> dict[str, Any]:
+def write_manifest(staging: AnyPath, entries: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]) -> dict[str, Any]:
     """Write ``manifest.json`` into ``staging``: the files (every process's :func:`file_entries`), the
     format version, a time stamp and ``metadata`` (layout, step, versions, ...; JSON values only)."""
     paths = [e["path"] for e in entries]
@@ -145,38 +195,51 @@ def write_manifest(staging: Path, entries: Sequence[Mapping[str, Any]], metadata
         "files": sorted((dict(e) for e in entries), key=lambda e: e["path"]),
     }
     text = json.dumps(manifest, indent=2, sort_keys=False)  # raises TypeError for non-JSON metadata
-    tmp = Path(staging) / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, Path(staging) / MANIFEST)
-    _fsync_dir(Path(staging))
+    staging = as_path(staging)
+    if isinstance(staging, RemotePath):
+        write_durable(staging / MANIFEST, text.encode())  # one object: there whole or not at all
+        return manifest
+    tmp = staging / f".{MANIFEST}.tmp"
+    write_durable(tmp, text.encode())
+    os.replace(tmp, staging / MANIFEST)
+    _fsync_dir(staging)
     return manifest
 
 
-def commit(staging: Path, final: Path) -> Path:
+def commit(staging: AnyPath, final: AnyPath) -> AnyPath:
     """Rename a staged checkpoint (with its manifest) to ``final``, atomically.
 
     An existing ``final`` (a checkpoint of the same name: ``last``, or a step saved again) is moved
     aside first and deleted only once the new one is in place, so some complete checkpoint exists
-    under a name at every moment.
+    under a name at every moment. A checkpoint written in place (``staging == final``, see
+    :func:`staging_dir`) was committed by its manifest.
     """
-    staging, final = Path(staging), Path(final)
+    staging, final = as_path(staging), as_path(final)
     if not (staging / MANIFEST).is_file():
         raise CheckpointCorruptError(f"{staging} has no {MANIFEST}: write the manifest before committing.")
+    if staging == final:
+        return final
     old = None
     if final.exists():
         old = final.parent / f".{final.name}.replaced-{os.getpid()}-{time.monotonic_ns()}"
-        os.replace(final, old)
-    os.replace(staging, final)
+        replace(final, old)
+    replace(staging, final)
     _fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        rmtree(old)
     return final
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def clear_in_place(final: AnyPath) -> None:
+    """Before a checkpoint is written in place: delete what is at ``final``, its manifest first, so
+    no moment shows the old manifest beside new files."""
+    final = as_path(final)
+    if (final / MANIFEST).exists():
+        (final / MANIFEST).unlink()
+    rmtree(final)
+
+
+def _read_manifest(path: AnyPath) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointCorruptError(f"{manifest_path} is missing: {path} is not a (complete) checkpoint.")
@@ -194,7 +257,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _inside(root: Path, relative: Any) -> Path:
+def _inside(root: AnyPath, relative: Any) -> AnyPath:
     """``root / relative``, refusing a manifest path that would leave the checkpoint directory."""
     if not isinstance(relative, str) or not relative:
         raise CheckpointCorruptError(f"{root / MANIFEST} lists a file with no path: {relative!r}.")
@@ -205,14 +268,14 @@ def _inside(root: Path, relative: Any) -> Path:
 
 
 def verify(
-    path: Path, *, checksums: bool | Callable[[int, Mapping[str, Any]], bool] = True
+    path: AnyPath, *, checksums: bool | Callable[[int, Mapping[str, Any]], bool] = True
 ) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` after checking every file it lists: present, of the
     recorded size and (``checksums``) SHA-256. ``CheckpointCorruptError`` names the first bad file.
 
     ``checksums`` may be ``f(index, entry)``: hash only the files it selects (several processes
     sharing the work), check the others' presence and size."""
-    path = Path(path)
+    path = as_path(path)
     manifest = _read_manifest(path)
     for index, entry in enumerate(manifest["files"]):
         file = _inside(path, entry.get("path") if isinstance(entry, dict) else None)
@@ -229,12 +292,12 @@ def verify(
     return manifest
 
 
-def scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
+def scan(root: AnyPath) -> tuple[list[Checkpoint], list[tuple[AnyPath, str]]]:
     """Committed checkpoints under ``root`` (readable manifest), and the other non-hidden directories
     holding files, with why they are not checkpoints."""
-    root = Path(root)
+    root = as_path(root)
     good: list[Checkpoint] = []
-    bad: list[tuple[Path, str]] = []
+    bad: list[tuple[AnyPath, str]] = []
     if not root.is_dir():
         return good, bad
     for child in sorted(root.iterdir()):
@@ -252,13 +315,13 @@ def scan(root: Path) -> tuple[list[Checkpoint], list[tuple[Path, str]]]:
     return good, bad
 
 
-def find_checkpoints(root: Path) -> list[Checkpoint]:
+def find_checkpoints(root: AnyPath) -> list[Checkpoint]:
     """Committed checkpoint directories under ``root`` with a readable manifest, oldest first (by the
     manifest's ``global_step``, then its time stamp). Staging and replaced directories are skipped."""
     return scan(root)[0]
 
 
-def latest(root: Path) -> Checkpoint | None:
+def latest(root: AnyPath) -> Checkpoint | None:
     """The newest checkpoint under ``root`` that verifies. Every broken one passed over, and every
     directory whose manifest is missing or unreadable, gets a warning naming it."""
     good, bad = scan(root)
@@ -275,7 +338,7 @@ def latest(root: Path) -> Checkpoint | None:
 
 
 def retained(
-    checkpoints: Sequence[Checkpoint], *, keep_last: int, keep_every: int | None = None, protect: Iterable[Path] = ()
+    checkpoints: Sequence[Checkpoint], *, keep_last: int, keep_every: int | None = None, protect: Iterable[Any] = ()
 ) -> tuple[list[Checkpoint], list[Checkpoint]]:
     """``(keep, delete)``: the newest ``keep_last`` (by step), those whose step is a multiple of
     ``keep_every``, and every path in ``protect`` (the checkpoint being resumed from) are kept.
@@ -287,7 +350,7 @@ def retained(
         raise ValueError(f"keep_last={keep_last!r} must be an integer of at least 1 (the newest is always kept).")
     if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
         raise ValueError(f"keep_every={keep_every!r} must be a positive integer or None.")
-    protected = {Path(p).resolve() for p in protect}
+    protected = {as_path(p).resolve() for p in protect}
     ordered = sorted(checkpoints, key=lambda c: c.step)
     newest = {id(c) for c in ordered[-keep_last:]}
     keep, delete = [], []
@@ -297,7 +360,7 @@ def retained(
     return keep, delete
 
 
-def staged_name(path: Path) -> str | None:
+def staged_name(path: AnyPath) -> str | None:
     """The checkpoint name a staging directory is for (``None``: not a staging directory)."""
-    match = _STAGING.match(Path(path).name)
+    match = _STAGING.match(as_path(path).name)
     return match.group("name") if match else None

@@ -18,31 +18,37 @@ Collectives: with a process group every rank must call these, with the same argu
 
 from __future__ import annotations
 
-import io
-import os
-import pickle
-import shutil
+import json
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_scale.core.checkpoint_format import (
+    MANIFEST,
     CheckpointCorruptError,
+    clear_in_place,
     commit,
     file_entries,
+    is_shard_file,
     staging_dir,
     verify,
     write_manifest,
 )
+from lightning_scale.core.shard_reader import (
+    SafeFileSystemReader,
+    ShardReader,
+    TensorsOnlyLoadPlanner,
+    dcp_id,
+)
+from lightning_scale.core.shard_writer import StagingWriter
+from lightning_scale.core.storage import AnyPath, as_path, rmtree, write_durable
 
 __all__ = [
     "SafeFileSystemReader",
@@ -51,65 +57,13 @@ __all__ = [
     "distributed",
     "load_sharded",
     "read_tensor_metadata",
+    "check_unhashed",
+    "full_tensors_from",
     "save_sharded",
     "verify_distributed",
 ]
 
 _METADATA = ".metadata"
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only what DCP's ``Metadata`` is made of: its own dataclasses, sizes, dtypes and layouts."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointCorruptError(
-            f"The checkpoint's DCP metadata refers to {module}.{name}, which DCP metadata never holds: refusing to "
-            "unpickle it (a checkpoint must not run code when it is loaded)."
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` whose metadata is read by :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptError(f"{path} does not hold DCP metadata.")
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, refusing the pickled (non-tensor) items DCP would otherwise unpickle."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        raise CheckpointCorruptError(
-            f"The checkpoint stores {read_item.dest_index.fqn!r} as pickled bytes; lightning-scale loads tensors only "
-            "from shards (other state is JSON)."
-        )
 
 
 def distributed(group: dist.ProcessGroup | None) -> bool:
@@ -133,39 +87,14 @@ def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
+def read_tensor_metadata(path: AnyPath) -> dict[str, TensorStorageMetadata]:
     """Every tensor a DCP checkpoint holds: its key, global size and dtype (``.properties.dtype``)."""
     metadata = SafeFileSystemReader(path).read_metadata()
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-class StagingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` whose :meth:`stage` copies a state dict into host buffers kept from the
-    previous save (DCP's cached staging), pinned only where CUDA can pin, rebuilt when the tensors change."""
-
-    def __init__(self, *, thread_count: int = 1) -> None:
-        super().__init__(".", sync_files=True, thread_count=thread_count, cache_staged_state_dict=True)
-        self._layout: list[tuple[str, tuple[int, ...], torch.dtype, type]] | None = None
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        layout = [(k, tuple(v.shape), v.dtype, type(v)) for k, v in state_dict.items()]
-        if self.state_dict_cache is None or layout != self._layout:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._layout = layout
-        return _copy_state_dict(state_dict, self.state_dict_cache)
-
-
 def save_sharded(
-    final: Path,
+    final: AnyPath,
     tensors: Mapping[str, Tensor],
     *,
     files: Mapping[str, bytes] | None = None,
@@ -174,30 +103,37 @@ def save_sharded(
     group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     writer: FileSystemWriter | None = None,
-) -> Path:
+) -> AnyPath:
     """Write ``tensors`` (flat keys; tensors and DTensors, each rank its own part: a key several ranks
     hold as a plain tensor is written once) and this rank's ``files`` (name -> bytes; names unique
     across ranks) as the committed checkpoint directory ``final``. ``token``: the same on every rank.
     ``writer``: a DCP writer to reuse (its path is reset to the staging directory)."""
-    final = Path(final)
+    final = as_path(final)
     staging = staging_dir(final, token)
     multi = distributed(group)
+    if staging == final:  # written in place (object stores): an older checkpoint of this name goes first,
+        if _rank(group) == 0:
+            clear_in_place(final)
+        _gather(None, group)  # and nobody writes before it is gone
     staging.mkdir(parents=True, exist_ok=True)
     if writer is None:
-        writer = FileSystemWriter(staging, sync_files=True, thread_count=thread_count)
+        writer = StagingWriter(thread_count=thread_count, cache=False)
     try:
-        dcp.save(dict(tensors), checkpoint_id=staging, storage_writer=writer, process_group=group, no_dist=not multi)
+        dcp.save(
+            dict(tensors), checkpoint_id=dcp_id(staging), storage_writer=writer, process_group=group, no_dist=not multi
+        )
     except CheckpointException as err:
         # DCP gathers every rank's write result and raises on all of them (a BaseException: made an OSError).
         if _rank(group) == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            rmtree(staging)
         failures = "; ".join(f"rank {r}: {_describe(e)}" for r, e in sorted(err.failures.items()))
         raise OSError(f"Saving the checkpoint {final} failed; earlier checkpoints are untouched. {failures}") from None
     except BaseException:
         if _rank(group) == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            rmtree(staging)
         raise
-    return finish_sharded(staging, final, files=files, metadata=metadata, group=group)
+    digests = getattr(writer, "digests", None)
+    return finish_sharded(staging, final, files=files, metadata=metadata, group=group, digests=digests)
 
 
 def _describe(failure: Any) -> str:
@@ -206,23 +142,25 @@ def _describe(failure: Any) -> str:
 
 
 def finish_sharded(
-    staging: Path,
-    final: Path,
+    staging: AnyPath,
+    final: AnyPath,
     *,
     files: Mapping[str, bytes] | None,
     metadata: Mapping[str, Any],
     group: dist.ProcessGroup | None,
-) -> Path:
-    """After DCP wrote ``staging`` on every rank: this rank's own files, the hashes, the manifest and the commit."""
+    digests: Mapping[str, tuple[int, str]] | None = None,
+) -> AnyPath:
+    """After DCP wrote ``staging`` on every rank: this rank's own files, the hashes (``digests``: those
+    taken while writing), the manifest and the commit."""
     rank = _rank(group)
     result: Any
     try:
         for name, data in (files or {}).items():
-            _write_file(staging / name, data)
+            write_durable(staging / name, data)
         mine = sorted(p.name for p in staging.glob(f"__{rank}_*")) + list(files or {})
         if rank == 0:
             mine.append(_METADATA)
-        result = file_entries(staging, mine)
+        result = file_entries(staging, mine, known=digests)
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         result = f"rank {rank}: {type(err).__name__}: {err}"
     everyone = _gather(result, group)
@@ -236,26 +174,81 @@ def finish_sharded(
     problems = _gather(problems, group)[0]  # rank 0's list: everybody's, and its own commit's
     if problems:
         if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            rmtree(staging)
         raise OSError(f"Saving the checkpoint {final} failed; earlier checkpoints are untouched. " + "; ".join(problems))
     return final
 
 
-def verify_distributed(path: Path, *, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def verify_distributed(path: AnyPath, *, group: dist.ProcessGroup | None = None, shards: bool = True) -> dict[str, Any]:
     """:func:`verify` with the checksum work shared: every rank hashes every ``world``-th file and
-    checks the others' presence and size. A problem found anywhere is raised on every rank."""
-    path = Path(path)
+    checks the others' presence and size. A problem found anywhere is raised on every rank.
+    ``shards=False``: the DCP data files are checked for presence and size only (a load hashes them
+    as it reads them: :func:`load_sharded`)."""
+    path = as_path(path)
     rank, world = _rank(group), _world(group)
     problem, manifest = "", {}
     try:
         # The manifest lists files sorted by path, the same on every rank.
-        manifest = verify(path, checksums=lambda index, _: index % world == rank)
+        manifest = verify(
+            path, checksums=lambda index, entry: index % world == rank and (shards or not is_shard_file(entry["path"]))
+        )
     except CheckpointCorruptError as err:
         problem = str(err)
-    problem = next((p for p in _gather(problem, group) if p), "")
+    _raise_everywhere(problem, group)
+    return manifest
+
+
+def _raise_everywhere(problem: str, group: Any, *, alone: bool = False) -> None:
+    """The first rank's problem (a ``CheckpointCorruptError`` message) raised on every rank."""
+    if not alone:
+        problem = next((p for p in _gather(problem, group) if p), "")
     if problem:
         raise CheckpointCorruptError(problem)
-    return manifest
+
+
+def _shard_entries(manifest: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    return {e["path"]: e for e in manifest["files"] if is_shard_file(e["path"])}
+
+
+def _read(
+    path: AnyPath, request: dict[str, Tensor], reader: ShardReader, group: Any, *, partial: bool, alone: bool = False
+) -> None:
+    """``dcp.load``; a rank's failure (DCP raises it on every rank) as a ``CheckpointCorruptError``
+    naming the file when a file was found corrupted, else a ``RuntimeError`` naming each rank's error."""
+    try:
+        dcp.load(
+            request,
+            storage_reader=reader,
+            planner=TensorsOnlyLoadPlanner(allow_partial_load=partial),
+            process_group=group,
+            no_dist=alone or not distributed(group),
+        )
+    except CheckpointException as err:
+        failures = {r: (f[0] if isinstance(f, tuple) else f) for r, f in sorted(err.failures.items())}
+        corrupt = next((e for e in failures.values() if isinstance(e, CheckpointCorruptError)), None)
+        if corrupt is not None:
+            raise CheckpointCorruptError(str(corrupt)) from None
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failures.items())
+        raise RuntimeError(f"Loading the checkpoint {path} failed. {detail}") from None
+
+
+def check_unhashed(
+    path: AnyPath, manifest: Mapping[str, Any], hashed: list[str], group: Any = None, *, alone: bool = False
+) -> None:
+    """After a load that hashed the shard files it read whole (``hashed``, this rank's; a mismatch
+    raised already): hash the shard files no rank read whole, the work shared. A mismatch is raised
+    on every rank, naming the file. ``alone``: this process loaded by itself (no collectives)."""
+    path = as_path(path)
+    done = set(hashed) if alone else {name for names in _gather(hashed, group) for name in names}
+    rest = [e["path"] for e in manifest["files"] if is_shard_file(e["path"]) and e["path"] not in done]
+    rank, world = (0, 1) if alone else (_rank(group), _world(group))
+    mine = set(rest[rank::world])
+    problem = ""
+    try:
+        verify(path, checksums=lambda _, entry: entry["path"] in mine)
+    except CheckpointCorruptError as err:
+        problem = str(err)
+    _raise_everywhere(problem, group, alone=alone)
 
 
 def _global_shape(tensor: Tensor) -> tuple[int, ...]:
@@ -263,20 +256,30 @@ def _global_shape(tensor: Tensor) -> tuple[int, ...]:
 
 
 def load_sharded(
-    path: Path,
+    path: AnyPath,
     state: dict[str, Tensor],
     *,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
-    verified: bool = False,
+    verified: bool | Literal["files"] = False,
 ) -> list[str]:
-    """Verify the checkpoint at ``path`` (unless ``verified``), then load it into ``state``'s tensors in
-    place (DCP: each rank reads what its shards need, from any layout; dtypes are cast). Returns the
-    keys of ``state`` the checkpoint lacks (``strict``: a ``KeyError`` naming them instead); a shape
-    mismatch is a ``ValueError`` naming the key. Either is raised on every rank, before DCP's collectives."""
-    path = Path(path)
-    if not verified:
-        verify_distributed(path, group=group)
+    """Load the checkpoint at ``path`` into ``state``'s tensors in place (DCP: each rank reads what its
+    shards need, from any layout; dtypes are cast). Returns the keys of ``state`` the checkpoint lacks
+    (``strict``: a ``KeyError`` naming them instead); a shape mismatch is a ``ValueError`` naming the
+    key. Either is raised on every rank, before DCP's collectives.
+
+    Verification (``verified=False``): the manifest, every file's size and the small files' SHA-256
+    first; the shard files' SHA-256 as they are read (each byte read once), then those no rank read
+    whole. A corrupted shard is reported after its bytes were loaded: the ``CheckpointCorruptError``
+    (on every rank, naming the file) means ``state`` holds garbage. ``verified="files"``: the caller
+    checked the manifest and small files (:func:`verify_distributed` with ``shards=False``);
+    ``True``: everything was checked."""
+    path = as_path(path)
+    manifest: Mapping[str, Any] | None = None
+    if verified is False:
+        manifest = verify_distributed(path, group=group, shards=False)
+    elif verified == "files":
+        manifest = json.loads((path / MANIFEST).read_text())
     saved = read_tensor_metadata(path)
     missing = [k for k in state if k not in saved]
     problem: tuple[str, str] | None = None
@@ -295,26 +298,32 @@ def load_sharded(
     if problem is not None:
         raise (KeyError if problem[0] == "KeyError" else ValueError)(problem[1])
     request = {k: v for k, v in state.items() if k in saved}
-    dcp.load(
-        request,
-        storage_reader=SafeFileSystemReader(path),
-        planner=TensorsOnlyLoadPlanner(allow_partial_load=True),
-        process_group=group,
-        no_dist=not distributed(group),
-    )
+    reader = ShardReader(path, expected=_shard_entries(manifest) if manifest is not None else None)
+    _read(path, request, reader, group, partial=True)
+    if manifest is not None:
+        check_unhashed(path, manifest, reader.hashed, group)
     return missing
 
 
-def full_tensors_from(path: Path, keys: list[str] | None = None) -> dict[str, Tensor]:
-    """Whole (unsharded) CPU tensors for ``keys`` (None: all) of a checkpoint, read in this process alone."""
-    saved = read_tensor_metadata(path)
+def full_tensors_from(
+    path: AnyPath,
+    keys: list[str] | None = None,
+    *,
+    manifest: Mapping[str, Any] | None = None,
+    metadata: Metadata | None = None,
+) -> dict[str, Tensor]:
+    """Whole (unsharded) CPU tensors for ``keys`` (None: all) of a checkpoint, read in this process alone.
+    ``manifest`` (its small files checked already): the shard files are hashed as they are read, and
+    the rest after, as in :func:`load_sharded`. ``metadata``: DCP's, read once for many calls."""
+    path = as_path(path)
+    metadata = metadata if metadata is not None else SafeFileSystemReader(path).read_metadata()
+    saved = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     keys = list(saved) if keys is None else keys
     out = {k: torch.empty(tuple(saved[k].size), dtype=saved[k].properties.dtype) for k in keys}
+    expected = _shard_entries(manifest) if manifest is not None else None
+    reader = ShardReader(path, expected=expected, metadata=metadata)
     if out:
-        dcp.load(
-            out,
-            storage_reader=SafeFileSystemReader(path),
-            planner=TensorsOnlyLoadPlanner(allow_partial_load=False),
-            no_dist=True,
-        )
+        _read(path, out, reader, None, partial=False, alone=True)
+    if manifest is not None:
+        check_unhashed(path, manifest, reader.hashed, alone=True)
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_scale.core.checkpoint_state import decode, encode
 from lightning_scale.core.sharded_checkpoint import full_tensors_from
+from lightning_scale.core.storage import AnyPath
 
 __all__ = [
     "EXTRA",
@@ -70,9 +70,10 @@ def split_checkpoint(checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str
 
 
 
-def load_whole(path: Path) -> dict[str, Any]:
-    """Every tensor of the checkpoint whole, on the CPU, in the structure Lightning's checkpoints have."""
-    loaded = full_tensors_from(path)
+def load_whole(path: AnyPath, manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every tensor of the checkpoint whole, on the CPU, in the structure Lightning's checkpoints have.
+    ``manifest``: hash the shard files as they are read (:func:`full_tensors_from`)."""
+    loaded = full_tensors_from(path, manifest=manifest)
     checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), loaded)
     checkpoint["state_dict"] = state = {k[len(MODEL) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{MODEL}/")}
     for names in json.loads((path / "manifest.json").read_text()).get("tied") or []:

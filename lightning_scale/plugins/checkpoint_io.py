@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,8 +26,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_scale.core.checkpoint_format import (
+    MANIFEST,
     CheckpointCorruptError,
+    clear_in_place,
     find_checkpoints,
+    is_shard_file,
     retained,
     scan,
     verify,
@@ -43,6 +44,7 @@ from lightning_scale.core.sharded_checkpoint import (
     save_sharded,
     verify_distributed,
 )
+from lightning_scale.core.storage import AnyPath, RemotePath, as_path, is_url, replace, rmtree
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
     MODEL,
@@ -103,8 +105,17 @@ class ShardedCheckpointIO(CheckpointIO):
         preemption: add a :class:`~lightning_scale.callbacks.PreemptionCheckpoint` to every ``fit``
             that has none (SIGTERM/SIGUSR1: finish the step, commit a checkpoint, exit with
             :data:`PREEMPTION_EXIT_CODE`).
-        thread_count: writer threads per rank (DCP ``FileSystemWriter``).
+        thread_count: writer threads, and so shard files, per rank (DCP ``FileSystemWriter``). Saves
+            and loads hash a rank's files side by side, one SHA-256 stream per file (about 1.2 GB/s
+            per core on a 2-core VM), so 2 (default) hashes twice as fast as one file would.
         metadata: JSON values stored in every manifest (``metadata`` key), e.g. a run name.
+        fsspec_options: options for fsspec's ``url_to_fs`` when checkpoints go to a URL
+            (``ModelCheckpoint(dirpath="s3://bucket/run")``): credentials, endpoint, ...
+
+    Remote storage: any fsspec URL works once its filesystem package is installed (``s3fs``,
+    ``gcsfs``, ...). Object stores cannot rename a directory, so there a checkpoint is written in
+    place and its manifest, one object written last, commits it; a directory without it is not a
+    checkpoint. Saving again under the same name (``last``) deletes the old one first.
 
     Loading reads no pickles: non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint_state`),
     DCP's own metadata is read by a restricted unpickler, and a file a manifest lists outside its
@@ -120,8 +131,9 @@ class ShardedCheckpointIO(CheckpointIO):
         dirpath: str | os.PathLike | None = None,
         async_save: bool = False,
         preemption: bool = True,
-        thread_count: int = 1,
+        thread_count: int = 2,
         metadata: Mapping[str, Any] | None = None,
+        fsspec_options: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last is not None:
             retained([], keep_last=keep_last, keep_every=keep_every)  # validates both
@@ -136,9 +148,12 @@ class ShardedCheckpointIO(CheckpointIO):
                 json.dumps(dict(metadata))
             except TypeError as err:
                 raise TypeError(f"metadata must hold JSON values only: {err}") from None
+        if fsspec_options is not None and not isinstance(fsspec_options, Mapping):
+            raise TypeError(f"fsspec_options={fsspec_options!r} must be a mapping (fsspec's storage options) or None.")
+        self.fsspec_options = dict(fsspec_options or {})
         self.keep_last, self.keep_every = keep_last, keep_every
         self.auto_resume = auto_resume
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = self.as_path(dirpath) if dirpath is not None else None
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save={async_save!r} must be True or False.")
         self.async_save = async_save
@@ -152,8 +167,12 @@ class ShardedCheckpointIO(CheckpointIO):
         self._just_verified: str | None = None  # what `latest` verified, so the load that follows hashes nothing again
         self.process_group: dist.ProcessGroup | None = None
         """The processes that save and load together (None: the world); the strategy sets it."""
-        self.resumed_from: Path | None = None
+        self.resumed_from: AnyPath | None = None
         """The checkpoint this run loaded; retention and removal never delete it."""
+
+    def as_path(self, path: Any) -> AnyPath:
+        """``path`` as a local ``Path`` or, for a URL, a :class:`~lightning_scale.core.storage.RemotePath`."""
+        return as_path(path, self.fsspec_options)
 
     # ------------------------------------------------------------------ collectives
 
@@ -184,7 +203,7 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         self.wait()  # one save in flight at most; raises what the previous one raised
         path, token = self._broadcast((str(path), uuid.uuid4().hex[:12]))
-        path = Path(path)
+        path = self.as_path(path)
         if path.is_file() or path.is_symlink():
             raise FileExistsError(
                 f"{path} exists and is a file or link, not a checkpoint directory; remove it or save elsewhere."
@@ -234,7 +253,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _write(
         self,
-        path: Path,
+        path: AnyPath,
         tensors: Mapping[str, Tensor],
         files: Mapping[str, bytes],
         metadata: Mapping[str, Any],
@@ -263,7 +282,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if pending is not None:
             pending.result()
 
-    def apply_retention(self, root: Path) -> list[Path]:
+    def apply_retention(self, root: AnyPath) -> list[AnyPath]:
         """Delete the checkpoints in ``root`` beyond ``keep_last``/``keep_every`` (rank 0 only); returns them."""
         assert self.keep_last is not None
         good = []
@@ -303,25 +322,26 @@ class ShardedCheckpointIO(CheckpointIO):
         self.wait()
         if template is None:
             # One process reading a checkpoint whole: no collectives.
-            path = Path(path)
-            if not verified:
-                verify(path)
-            checkpoint, rank = load_whole(path), 0
+            path = self.as_path(path)
+            # The small files now; the shards are hashed as they are read.
+            manifest = None if verified else verify(path, checksums=lambda _, entry: not is_shard_file(entry["path"]))
+            checkpoint, rank = load_whole(path, manifest), 0
         else:
-            path = Path(self._broadcast(str(path)))
-            if not verified and str(path) != self._just_verified:
-                verify_distributed(path, group=self.process_group)
+            path = self.as_path(self._broadcast(str(path)))
+            check = not verified and str(path) != self._just_verified
+            if check:
+                verify_distributed(path, group=self.process_group, shards=False)
             self._just_verified = None
-            checkpoint, rank = self._load_into(path, template, strict), self._rank()
+            checkpoint, rank = self._load_into(path, template, strict, check), self._rank()
         rank_file = path / _rank_file(rank)
         checkpoint["lightning_scale"] = {
             "path": str(path),
-            "manifest": json.loads((path / "manifest.json").read_text()),
+            "manifest": json.loads((path / MANIFEST).read_text()),
             "rng": json.loads(rank_file.read_text())["rng"] if rank_file.is_file() else None,
         }
         return checkpoint
 
-    def _load_into(self, path: Path, template: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+    def _load_into(self, path: AnyPath, template: Mapping[str, Any], strict: bool, check: bool) -> dict[str, Any]:
         saved = read_tensor_metadata(path)
         extras = {
             k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{EXTRA}/")
@@ -331,7 +351,8 @@ class ShardedCheckpointIO(CheckpointIO):
             # Saved with weights only: Lightning itself says so if it wants the optimizers' state.
             template = {k: v for k, v in template.items() if k != "optimizer_states"}
         flat, numbers = flatten_template(template)
-        missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=True)
+        verified = "files" if check else True  # "files": hash the shards as they are read
+        missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=verified)
         checkpoint = decode(doc, extras)
         checkpoint["state_dict"] = {
             k: v for k, v in (template.get("state_dict") or {}).items() if f"{MODEL}/{k}" not in missing
@@ -348,15 +369,15 @@ class ShardedCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ latest, removal
 
-    def search_roots(self, roots: Iterable[Any]) -> list[Path]:
+    def search_roots(self, roots: Iterable[Any]) -> list[AnyPath]:
         """Where ``"latest"`` looks: ``roots`` (the ``ModelCheckpoint`` directories) and ``dirpath``."""
-        out: list[Path] = []
+        out: list[AnyPath] = []
         for root in [*roots, self.dirpath]:
-            if root is not None and Path(root) not in out:
-                out.append(Path(root))
+            if root is not None and self.as_path(root) not in out:
+                out.append(self.as_path(root))
         return out
 
-    def latest(self, roots: Iterable[Any]) -> Path | None:
+    def latest(self, roots: Iterable[Any]) -> AnyPath | None:
         """The newest checkpoint under ``roots`` that verifies (collective: rank 0 lists them, every rank
         checksums a share); each broken one passed over gets a warning naming it."""
         self.wait()
@@ -372,20 +393,20 @@ class ShardedCheckpointIO(CheckpointIO):
             candidates = [str(c.path) for c in reversed(found)]
         for candidate in self._broadcast(candidates):
             try:
-                verify_distributed(Path(candidate), group=self.process_group)
+                verify_distributed(self.as_path(candidate), group=self.process_group)
             except CheckpointCorruptError as err:
                 if self._rank() == 0:
                     warnings.warn(f"Skipping the broken checkpoint {candidate}: {err}", RuntimeWarning, stacklevel=2)
                 continue
             self._just_verified = candidate
-            return Path(candidate)
+            return self.as_path(candidate)
         return None
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete a checkpoint (a directory: hidden by a rename first, then deleted; a link: the link only).
         The checkpoint the run resumed from is kept, with a warning."""
-        path = Path(path)
+        path = self.as_path(path)
         if self.resumed_from is not None and path.exists() and not path.is_symlink():
             if path.resolve() == self.resumed_from.resolve():
                 warnings.warn(f"Not deleting {path}: this run resumed from it.", RuntimeWarning, stacklevel=2)
@@ -416,14 +437,18 @@ def load_from_checkpoint(cls: type, path: str | os.PathLike, *, strict: bool | N
     from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-    checkpoint = _pl_migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=Path(path))
+    local = None if is_url(path) else os.fspath(path)
+    checkpoint = _pl_migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=local)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
     return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
-def _remove_dir(path: Path) -> None:
+def _remove_dir(path: AnyPath) -> None:
+    if isinstance(path, RemotePath):  # no atomic rename: the manifest goes first, so it stops being a checkpoint
+        clear_in_place(path)
+        return
     hidden = path.parent / f".{path.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
-    os.replace(path, hidden)
-    shutil.rmtree(hidden, ignore_errors=True)
+    replace(path, hidden)
+    rmtree(hidden)
 
 
 def _json_bytes(doc: Any) -> bytes:

@@ -10,6 +10,7 @@ single-device run) still loads: memory-mapped, each rank copying out its own sha
 
 from __future__ import annotations
 
+import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing_extensions import override
 
 from lightning_scale.core.full_state import load_full_model_state, load_full_optimizer_state
 from lightning_scale.core.layout import Layout
+from lightning_scale.core.storage import RemotePath
 from lightning_scale.plugins._rng import restore_rng_states
 from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
 
@@ -210,13 +212,16 @@ class ShardedCheckpoints:
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path) if isinstance(checkpoint_path, (str, Path)) else None
-        if path is not None and path.is_file():
+        io = self._sharded_io()
+        path = io.as_path(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        if isinstance(path, RemotePath) and path.is_file():
+            with path.open("rb") as f:  # a whole-state file at a URL
+                return torch.load(f, map_location="cpu", weights_only=weights_only)
+        if isinstance(path, Path) and path.is_file():
             # A whole-state file (torch.save): memory-mapped, so each rank reads only the pages it keeps.
             if zipfile.is_zipfile(path):
                 return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
             return torch.load(path, map_location="cpu", weights_only=weights_only)
-        io = self._sharded_io()
         io.process_group = None
         module = self.lightning_module
         template: dict[str, Any] = {"state_dict": self.lightning_module_state_dict()}
@@ -227,7 +232,7 @@ class ShardedCheckpoints:
         checkpoint = io.load_checkpoint(checkpoint_path, template=template, strict=module.strict_loading)
         info = checkpoint["lightning_scale"]
         if fitting:
-            io.resumed_from = Path(info["path"])
+            io.resumed_from = io.as_path(info["path"])
         self._restore_rng(info)
         return checkpoint
 
@@ -292,8 +297,6 @@ def elastic_attempt_store(world_size: int, timeout: Any) -> Any:
     store, adds no per-attempt prefix: a relaunched rank can read the address a dead rank of the previous
     attempt published and fail to connect (gloo: "Connection refused"). ``None`` outside torchrun.
     """
-    import os
-
     import torch.distributed as dist
 
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -9,7 +9,8 @@ inside ``fn`` joins the existing group instead of launching processes.
 
 Failure modes it turns into a fast, readable test failure:
 - a rank raises: the others get a few seconds to finish, then every rank's Python stack is
-  dumped (``faulthandler`` on SIGUSR1) and the error shows the exception and all stacks;
+  dumped (``faulthandler`` on SIGUSR2: SIGUSR1 is SLURM's preemption warning, which
+  ``PreemptionCheckpoint`` handles during fit) and the error shows the exception and all stacks;
 - a hang: after ``timeout`` seconds every rank's stack is dumped and the processes are killed.
 Process groups are always destroyed, processes always reaped.
 """
@@ -68,7 +69,7 @@ def _worker(
     )
     torch.set_num_threads(1)
     with open(stack_file, "w") as stacks:
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
         try:
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
             dist.init_process_group(
@@ -85,7 +86,7 @@ def _worker(
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            faulthandler.unregister(signal.SIGUSR1)
+            faulthandler.unregister(signal.SIGUSR2)
 
 
 def run_distributed(
@@ -162,7 +163,7 @@ def run_distributed(
 def _collect_stacks(procs: list[Any], stack_files: list[str]) -> dict[int, str]:
     for proc in procs:
         if proc.is_alive() and proc.pid is not None:
-            os.kill(proc.pid, signal.SIGUSR1)
+            os.kill(proc.pid, signal.SIGUSR2)
     time.sleep(1.0)
     stacks = {}
     for rank, path in enumerate(stack_files):

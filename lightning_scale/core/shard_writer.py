@@ -1,0 +1,116 @@
+"""Writing DCP checkpoints: :class:`StagingWriter`, DCP's ``FileSystemWriter`` (its fsspec layer for
+a URL) with reused host buffers for async saves, hashing each shard file as it is written so the
+manifest needs no second read. No Lightning, no process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_scale.core.checkpoint_format import is_shard_file
+from lightning_scale.core.shard_reader import dcp_filesystem, dcp_id
+from lightning_scale.core.storage import RemotePath, as_path
+
+__all__ = ["StagingWriter"]
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes what passes through it, in order (DCP writes each file front to
+    back from one thread; a seek makes the digest unusable, and the file is hashed again after)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self._digest, self.size, self.sequential = inner, hashlib.sha256(), 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        # Synchronous: torch.save hands memoryviews of buffers that live only for this call. hashlib
+        # releases the GIL, so the files of several writer threads hash side by side.
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        written = self._inner.write(view)
+        self.size += len(view)
+        return len(view) if written is None else written
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.sequential = False
+        return self._inner.seek(offset, whence)
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def flush(self) -> None:
+        if not self._inner.closed:
+            self._inner.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes
+            self._inner.close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+class _HashingFileSystem:
+    """DCP's filesystem layer, hashing the shard files it writes: :attr:`digests` maps each file name
+    to its (size, SHA-256), so the manifest needs no second read of what was written."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Any:
+        name = str(path).rsplit("/", 1)[-1]
+        with self._inner.create_stream(path, mode) as stream:
+            if "w" not in mode or not is_shard_file(name):
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            self.digests[name] = (hashing.size, hashing.hexdigest())
+
+
+class StagingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` whose :meth:`stage` copies a state dict into host buffers kept from the
+    previous save (DCP's cached staging), pinned only where CUDA can pin, rebuilt when the tensors change.
+    Each save's path picks DCP's local or fsspec filesystem (``fsync`` locally; an object store's
+    write is durable when it returns); the shard files are hashed as they are written (:attr:`digests`)."""
+
+    def __init__(self, *, thread_count: int = 1, cache: bool = True) -> None:
+        super().__init__(".", sync_files=True, thread_count=thread_count, cache_staged_state_dict=cache)
+        self._layout: list[tuple[str, tuple[int, ...], torch.dtype, type]] | None = None
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id:
+            path = as_path(checkpoint_id)
+            self.fs = _HashingFileSystem(dcp_filesystem(path))
+            self.digests = self.fs.digests
+            self.sync_files = not isinstance(path, RemotePath)
+            checkpoint_id = dcp_id(path)
+        super().reset(checkpoint_id)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = [(k, tuple(v.shape), v.dtype, type(v)) for k, v in state_dict.items()]
+        if self.state_dict_cache is None or layout != self._layout:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._layout = layout
+        return _copy_state_dict(state_dict, self.state_dict_cache)
