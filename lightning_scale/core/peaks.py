@@ -1,0 +1,109 @@
+"""Peak dense FLOP/s per device, by chip and dtype, each row with its source. No Lightning.
+
+Datasheets quote tensor-core figures "with sparsity" (2:4 structured), twice the dense rate that a
+training matmul can reach; every number here is the **dense** one (the datasheet's halved where it
+quotes sparse). A wrong peak silently gives a wrong MFU (other tables list the H200 at its sparse
+2.0e15 bf16), so :func:`device_peak` returns ``None`` for a chip or dtype it does not know: the caller
+warns and reports no MFU, or takes the user's override.
+
+dtypes: ``"float64"``, ``"float32"`` (non-tensor), ``"tf32"``, ``"bfloat16"``, ``"float16"``,
+``"float8"``. Per *torch device*: an MI250X is two devices (GCDs), each with half the card's rate.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["PEAKS", "DTYPES", "Peak", "chip_of", "device_peak"]
+
+DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+
+T = 1e12
+
+
+@dataclass(frozen=True)
+class Peak:
+    chip: str
+    flops: dict[str, float]
+    """Dense FLOP/s per dtype."""
+    source: str
+
+
+_A100 = "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+_H100 = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 SXM/PCIe/NVL; sparse halved)"
+_H200 = "https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446 (sparse halved)"
+
+PEAKS: dict[str, Peak] = {
+    p.chip: p
+    for p in (
+        Peak("A100", {"float64": 9.7 * T, "float32": 19.5 * T, "tf32": 156 * T, "bfloat16": 312 * T,
+                      "float16": 312 * T}, _A100 + " (SXM and PCIe alike)"),
+        Peak("H100 SXM", {"float64": 33.5 * T, "float32": 66.9 * T, "tf32": 494.7 * T, "bfloat16": 989.4 * T,
+                          "float16": 989.4 * T, "float8": 1978.9 * T}, _H100),
+        Peak("H100 PCIe", {"float64": 25.6 * T, "float32": 51.2 * T, "tf32": 378 * T, "bfloat16": 756 * T,
+                           "float16": 756 * T, "float8": 1513 * T}, _H100),
+        Peak("H100 NVL", {"float64": 30 * T, "float32": 60 * T, "tf32": 417.5 * T, "bfloat16": 835.5 * T,
+                          "float16": 835.5 * T, "float8": 1670.5 * T}, _H100 + ", per GPU"),
+        Peak("H200 SXM", {"float64": 34 * T, "float32": 67 * T, "tf32": 494.7 * T, "bfloat16": 989.4 * T,
+                          "float16": 989.4 * T, "float8": 1978.9 * T}, _H200),
+        Peak("H200 NVL", {"float64": 30 * T, "float32": 60 * T, "tf32": 417.5 * T, "bfloat16": 835.5 * T,
+                          "float16": 835.5 * T, "float8": 1670.5 * T}, _H200),
+        Peak("B200", {"tf32": 1100 * T, "bfloat16": 2250 * T, "float16": 2250 * T, "float8": 4500 * T},
+             "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU; sparse halved)"),
+        Peak("GB200", {"tf32": 1250 * T, "bfloat16": 2500 * T, "float16": 2500 * T, "float8": 5000 * T},
+             "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (NVL72 totals / 72 GPUs; sparse halved)"),
+        Peak("L4", {"float32": 30.3 * T, "tf32": 60 * T, "bfloat16": 121 * T, "float16": 121 * T,
+                    "float8": 242.5 * T}, "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet"),
+        Peak("L40S", {"float32": 91.6 * T, "tf32": 183 * T, "bfloat16": 362.05 * T, "float16": 362.05 * T,
+                      "float8": 733 * T}, "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+        Peak("A10G", {"float32": 31.2 * T, "tf32": 62.5 * T, "bfloat16": 125 * T, "float16": 125 * T},
+             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf "
+             "(AWS publishes no A10G datasheet; the A10's figures, an upper bound)"),
+        Peak("V100 SXM2", {"float64": 7.8 * T, "float32": 15.7 * T, "float16": 125 * T},
+             "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
+        Peak("V100 PCIe", {"float64": 7 * T, "float32": 14 * T, "float16": 112 * T},
+             "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"),
+        Peak("T4", {"float32": 8.1 * T, "float16": 65 * T},
+             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf"),
+        Peak("MI250X", {"float64": 47.85 * T, "float32": 47.85 * T, "bfloat16": 191.5 * T, "float16": 191.5 * T},
+             "https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html (per GCD, half the card)"),
+        Peak("MI300X", {"float64": 81.7 * T, "float32": 163.4 * T, "tf32": 653.7 * T, "bfloat16": 1307.4 * T,
+                        "float16": 1307.4 * T, "float8": 2614.9 * T},
+             "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (dense)"),
+    )
+}  # fmt: skip
+
+# Device names (torch.cuda.get_device_name) to chips, most specific first.
+_NAMES: tuple[tuple[str, str], ...] = (
+    (r"gb200", "GB200"),
+    (r"b200", "B200"),
+    (r"h200.*nvl", "H200 NVL"),
+    (r"h200", "H200 SXM"),
+    (r"h100.*nvl", "H100 NVL"),
+    (r"h100.*pcie", "H100 PCIe"),
+    (r"h100", "H100 SXM"),
+    (r"a100", "A100"),
+    (r"l40s", "L40S"),
+    (r"\bl4\b", "L4"),
+    (r"a10g", "A10G"),
+    (r"v100.*pcie", "V100 PCIe"),
+    (r"v100", "V100 SXM2"),
+    (r"\bt4\b", "T4"),
+    (r"mi300x", "MI300X"),
+    (r"mi250x", "MI250X"),
+)
+
+
+def chip_of(device_name: str) -> str | None:
+    """The chip of a device name (``"NVIDIA H100 80GB HBM3"`` -> ``"H100 SXM"``); None if unknown."""
+    name = device_name.lower()
+    return next((chip for pattern, chip in _NAMES if re.search(pattern, name)), None)
+
+
+def device_peak(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of one device of that name computing in ``dtype`` (None: not in the table)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}.")
+    chip = chip_of(device_name)
+    return None if chip is None else PEAKS[chip].flops.get(dtype)

@@ -1,0 +1,95 @@
+"""FLOPs per token and peak FLOP/s (``core/flops``, ``core/peaks``): no process group, no compute
+(the FLOP counts run on meta tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_scale.core.flops import (
+    hardware_flops_per_token,
+    matmul_parameters,
+    measured_flops_per_token,
+    model_flops_utilization,
+    transformer_flops_per_token,
+)
+from lightning_scale.core.peaks import PEAKS, chip_of, device_peak
+from lightning_scale.models import GPT, PRESETS
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_analytic_count_matches_the_flop_counter_for_every_gpt_preset(preset: str) -> None:
+    with torch.device("meta"):
+        model = GPT(preset)
+    c = model.config
+    tokens = torch.zeros(1, c.block_size, dtype=torch.long, device="meta")
+    measured = measured_flops_per_token(lambda: model(tokens).float().sum().backward(), c.block_size)
+    analytic = transformer_flops_per_token(
+        matmul_parameters(model), c.n_layers, c.n_heads, c.d_model // c.n_heads, c.block_size
+    )
+    assert analytic == pytest.approx(measured, rel=0.02)
+
+
+def test_causal_halves_attention_and_recomputation_adds_a_forward() -> None:
+    full = transformer_flops_per_token(1000, 2, 4, 8, 16)
+    assert full == 6 * 1000 + 12 * 2 * 4 * 8 * 16
+    assert transformer_flops_per_token(1000, 2, 4, 8, 16, causal=True) == 6 * 1000 + 6 * 2 * 4 * 8 * 16
+    assert hardware_flops_per_token(1000, 2, 4, 8, 16) == 8 * 1000 + 16 * 2 * 4 * 8 * 16
+    assert hardware_flops_per_token(1000, 2, 4, 8, 16, recomputed_fraction=0.0) == full
+
+
+def test_a_tied_head_counts_its_matmul_and_embeddings_do_not() -> None:
+    with torch.device("meta"):
+        tied, untied = GPT("tiny"), GPT({**GPT("tiny").config.__dict__, "tie_embeddings": False})
+    assert matmul_parameters(tied) == matmul_parameters(untied)  # the head multiplies either way
+    linear = sum(p.numel() for n, p in untied.named_parameters() if p.dim() == 2 and not n.endswith("_emb.weight"))
+    assert matmul_parameters(untied) == linear  # the embedding lookups are no matmul
+
+
+def test_mfu_is_the_needed_flops_over_the_devices_peak() -> None:
+    # 1e9 FLOPs per token at 1e5 tokens/s on 4 devices of 1e14 FLOP/s each.
+    assert model_flops_utilization(1e9, 1e5, 4, 1e14) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match=r"devices=0 and peak_flops_per_device=100000000000000.0 must be positive"):
+        model_flops_utilization(1e9, 1e5, 0, 1e14)
+
+
+@pytest.mark.parametrize(
+    ("name", "chip"),
+    [
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA GB200", "GB200"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10G", "A10G"),
+        ("Tesla V100-SXM2-16GB", "V100 SXM2"),
+        ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+        ("Tesla T4", "T4"),
+        ("AMD Instinct MI250X", "MI250X"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA GeForce RTX 3090", None),
+        ("cpu", None),
+    ],
+)
+def test_device_names_map_to_chips_and_unknown_ones_to_none(name: str, chip: str | None) -> None:
+    assert chip_of(name) == chip
+
+
+def test_peaks_are_dense_with_a_source_and_unknowns_are_none() -> None:
+    assert device_peak("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert device_peak("NVIDIA H200", "bfloat16") == pytest.approx(989.4e12)  # not the sparse 1979
+    assert device_peak("Tesla T4", "bfloat16") is None  # no bf16 tensor cores: no figure, no guess
+    assert device_peak("NVIDIA GeForce RTX 3090", "bfloat16") is None
+    for peak in PEAKS.values():
+        assert peak.source.startswith("https://") and peak.flops, peak
+        # Dense tensor rates: bf16/fp16 never above fp8, tf32 never above bf16.
+        f = peak.flops
+        assert f.get("float8", float("inf")) >= f.get("bfloat16", 0) >= f.get("tf32", 0), peak.chip
+    with pytest.raises(ValueError, match=r"dtype='fp32' must be one of"):
+        device_peak("NVIDIA H100 PCIe", "fp32")
