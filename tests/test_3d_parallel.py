@@ -14,11 +14,12 @@ import torch
 from helpers.distributed import run_cases, run_distributed
 from helpers.lightning import fit_error, quiet_trainer
 from helpers.models import BlockStack, StackModule
-from helpers.parity import RecordLoss, assert_parity, fit_gpt, single_process
+from helpers.parity import STEPS, RecordLoss, assert_parity, fit_gpt, single_process
 from helpers.profiling import CountEvents
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 
 import lightning_scale  # noqa: F401
+from lightning_scale.callbacks import Throughput
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.strategies import HybridParallelStrategy
@@ -70,9 +71,31 @@ def _hybrid(world: int, **kwargs: Any) -> dict[str, Any]:
     return fit_gpt(HybridParallelStrategy(microbatches=2, **kwargs), world, CONFIG)
 
 
+class WallClock(Callback):
+    """The test's own clock and the logged tokens/s at the last step, next to the Throughput callback."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.elapsed = time.perf_counter() - self.start
+        self.logged = {k: float(trainer.callback_metrics[k]) for k in ("train/tokens_per_sec", "train/tokens")}
+
+
+def _hybrid_timed(world: int, **kwargs: Any) -> dict[str, Any]:
+    """The parity run, with Throughput over every step and the test's own clock."""
+    clock = WallClock()
+    callbacks = [Throughput(window=STEPS, peak_flops=1e9), clock]
+    result = fit_gpt(HybridParallelStrategy(microbatches=2, **kwargs), world, CONFIG, callbacks=callbacks)
+    return result | {"elapsed": clock.elapsed, "logged": clock.logged}
+
+
 DP2_TP2_PP2 = {"data_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2}
 DP2_PP2 = {"data_parallel": 2, "pipeline_parallel": 2}
-CASES_8: dict[str, Any] = {mode: lambda w, m=mode: _hybrid(w, **DP2_TP2_PP2, data_parallel_mode=m) for mode in ("ddp", "fsdp")}
+CASES_8: dict[str, Any] = {
+    "ddp": lambda w: _hybrid_timed(w, **DP2_TP2_PP2, data_parallel_mode="ddp"),
+    "fsdp": lambda w: _hybrid(w, **DP2_TP2_PP2, data_parallel_mode="fsdp"),
+}
 CASES_4: dict[str, Any] = {
     "fsdp_grad_op": lambda w: _hybrid(w, **DP2_PP2, data_parallel_mode="fsdp_grad_op"),
     "hsdp": lambda w: _hybrid(w, data_parallel=4, data_parallel_mode="hsdp", hsdp_replicate=2, hsdp_shard=2),
@@ -99,6 +122,16 @@ def four() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_dp2_tp2_pp2_matches_one_process(eight: list[dict[str, Any]], mode: str) -> None:
     assert_parity([r[mode] for r in eight], single_process(CONFIG))
+
+
+@pytest.mark.slow
+def test_global_tokens_per_second_at_dp2_tp2_pp2_is_tokens_over_wall_time(eight: list[dict[str, Any]]) -> None:
+    # fit_gpt: global batches of 8 sequences of 16 tokens; counted per replica, not per process.
+    tokens = STEPS * 8 * 16
+    for rank in eight:
+        result = rank["ddp"]
+        assert result["logged"]["train/tokens"] == tokens
+        assert result["logged"]["train/tokens_per_sec"] == pytest.approx(tokens / result["elapsed"], rel=0.02)
 
 
 @pytest.mark.slow

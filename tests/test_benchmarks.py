@@ -88,3 +88,14 @@ def test_checkpoint_benchmark_prints_its_ratios(tmp_path: Path) -> None:
                 "save_ratio_vs_torch", "save_ratio_vs_dcp", "dcp_async_block_vs_memcpy"):  # fmt: skip
         assert report[key] > 0, key
     assert report["state_bytes"] > 0 and not any(tmp_path.glob("ckpt-bench-*"))  # its files are cleaned up
+
+
+@pytest.mark.slow
+def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
+    report = _bench(
+        "callbacks", "callbacks.py", "--steps", "12", "--warmup", "2", "--rounds", "1", "--threads", "1",
+        "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
+    )  # fmt: skip
+    assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
+    for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
+        assert isinstance(report[key], float), key

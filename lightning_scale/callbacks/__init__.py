@@ -1,7 +1,24 @@
 """Lightning callbacks: thin adapters; timing and maths live in ``lightning_scale.core``."""
 
+from lightning_scale.callbacks.checkpoint_advisor import CheckpointIntervalAdvisor
 from lightning_scale.callbacks.console import ConsoleLogger
+from lightning_scale.callbacks.cost import CostMonitor
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
+from lightning_scale.callbacks.health import NumericalHealth
 from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
+from lightning_scale.callbacks.step_time import StepTimeBreakdown
+from lightning_scale.callbacks.stragglers import StragglerMonitor
+from lightning_scale.callbacks.throughput import Throughput
 
-__all__ = ["ConsoleLogger", "GradNormMonitor", "Preempted", "PreemptionCheckpoint"]
+__all__ = [
+    "CheckpointIntervalAdvisor",
+    "ConsoleLogger",
+    "CostMonitor",
+    "GradNormMonitor",
+    "NumericalHealth",
+    "Preempted",
+    "PreemptionCheckpoint",
+    "StepTimeBreakdown",
+    "StragglerMonitor",
+    "Throughput",
+]

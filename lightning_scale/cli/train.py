@@ -179,6 +179,10 @@ def _finish_wandb(trainer: Trainer) -> None:
             logger.experiment.finish()
 
 
+_SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
+                    "cost/usd", "cost/usd_per_1m_tokens", "energy/kwh")
+
+
 def _num_parameters(module: LightningModule) -> int:
     """The whole model's parameter count, whether it is built yet or not, at any layout (counted on
     the meta device: a pipeline stage or a shard would count only its part)."""
@@ -220,6 +224,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     if "train/loss" in trainer.callback_metrics:
         summary["final_train_loss"] = float(trainer.callback_metrics["train/loss"])
+    for key in _SUMMARY_METRICS:  # the telemetry callbacks' last values
+        if key in trainer.callback_metrics:
+            summary[key] = float(trainer.callback_metrics[key])
     _finish_wandb(trainer)
     if trainer.is_global_zero:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,12 @@ dtypes: ``"float64"``, ``"float32"`` (non-tensor), ``"tf32"``, ``"bfloat16"``, `
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
-__all__ = ["PEAKS", "DTYPES", "Peak", "chip_of", "device_peak"]
+import torch
+
+__all__ = ["PEAKS", "DTYPES", "Peak", "chip_of", "device_peak", "measured_peak"]
 
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 
@@ -107,3 +110,27 @@ def device_peak(device_name: str, dtype: str) -> float | None:
         raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}.")
     chip = chip_of(device_name)
     return None if chip is None else PEAKS[chip].flops.get(dtype)
+
+
+_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
+_MEASURED: dict[tuple[str, str, int, int], float] = {}
+
+
+def measured_peak(dtype: str, device: str = "cpu", *, size: int = 512, seconds: float = 0.1) -> float:
+    """FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` on ``device``, timed for about ``seconds``
+    after a warm-up: the peak for devices without a datasheet figure (CPUs), at this process's thread
+    count. Measured once per (device, dtype, size, threads) in a process."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype={dtype!r} cannot be measured; one of {tuple(_TORCH_DTYPES)}.")
+    key = (device, dtype, size, torch.get_num_threads())
+    if key not in _MEASURED:
+        a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
+        b = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
+        torch.mm(a, b)  # warm-up: kernels chosen, threads started
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or calls < 3:
+            torch.mm(a, b)
+            calls += 1
+        _MEASURED[key] = 2 * size**3 * calls / elapsed
+    return _MEASURED[key]

@@ -36,6 +36,7 @@ from lightning_scale.core.partition import (
 from lightning_scale.core.pipeline import PipelineSpec, StageForward, prune_to_stage, stage_view
 from lightning_scale.core.pipeline_schedules import build_schedule, forward_only_schedule, make_stages
 from lightning_scale.core.pipeline_ties import TiedCopies, check_ties_for_data_parallel
+from lightning_scale.core.pipeline_timing import StageTimer
 
 __all__ = ["PipelineRunner"]
 
@@ -117,6 +118,8 @@ class PipelineRunner:
         """False on accumulation micro-steps: no data-parallel reduction, no tied-copy sum."""
         self.schedule: Any = None
         self._eval_schedule: Any = None
+        self.timer = StageTimer(device)
+        """Compute and step time of the training schedule on this rank (``core.pipeline_timing``)."""
 
     def describe(self) -> str:
         """One line for the start-up log: stages, partition, costs and the predicted bubble."""
@@ -170,7 +173,10 @@ class PipelineRunner:
         def stages() -> list[Any]:
             return make_stages(modules, self.local_stages, self.num_stages, self.device, group, lambda: self.sync_grads)
 
-        self.schedule = build_schedule(self.schedule_name, stages(), self.microbatches, self._scaled_loss)
+        train_stages = stages()
+        for stage in train_stages:
+            self.timer.wrap(stage)
+        self.schedule = build_schedule(self.schedule_name, train_stages, self.microbatches, self._scaled_loss)
         eval_stages = stages() if self.schedule_name in V_SHAPED else []  # the V's eval needs stages of its own
         self._eval_schedule = forward_only_schedule(
             self.schedule_name, eval_stages, self.microbatches, self._scaled_loss, self.schedule
@@ -250,7 +256,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []  # one scaled loss per micro-batch, filled on the last stage
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         if train:
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            with self.timer.span("step"):
+                self.schedule.step(*args, return_outputs=False, **kwargs)
         else:
             self._eval_schedule.eval(*args, **kwargs)
         # Only the last stage knows the loss; every rank gets the true value, averaged over the

@@ -181,6 +181,9 @@ class MixedPrecision(Precision):
         self.log_grad_norm = log_grad_norm
         self.log_nonfinite = log_nonfinite
         self._skipped = 0  # bf16/fp32 with nonfinite_grads="skip"; fp16 counts in its scaler
+        self.step_checks: list[Callable[[Any, GradientStats], bool]] = []
+        """``check(loss, stats) -> skip``, asked on every rank (identically) before each step the plugin
+        would take; any ``True`` skips it like an overflow (``NumericalHealth`` registers one)."""
         self.last_step_skipped = False
         self.gradient_scope = GradientScope()
         """How this rank's gradients make up the model's (``HybridParallelStrategy`` sets it from its mesh)."""
@@ -293,7 +296,8 @@ class MixedPrecision(Precision):
         return self._stats
 
     def _needs_stats(self, logging: bool = True) -> bool:
-        return self.scaler is not None or self.nonfinite_grads != "ignore" or (self.log_grad_norm and logging)
+        return (self.scaler is not None or self.nonfinite_grads != "ignore" or bool(self.step_checks)
+                or (self.log_grad_norm and logging))  # fmt: skip
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -333,6 +337,9 @@ class MixedPrecision(Precision):
         if self._needs_stats(logging) or self._stats is not None:
             stats = self.gradient_stats(optimizer)
             step = self._decide(stats, model, optimizer)
+            if step and self.step_checks:
+                # Every check runs (each may keep statistics), on every rank alike.
+                step = not any([check(result, stats) for check in self.step_checks])
             if logging:
                 self._log(model, stats)
         self.last_step_skipped = not step

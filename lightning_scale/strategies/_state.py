@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_scale.core.layout import Layout
+from lightning_scale.core.model_facts import ModelFacts
 from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.strategies._options import ParallelOptions
 
@@ -42,6 +43,8 @@ class ParallelState:
     pipeline: PipelineRunner | None
     mp_policy: Any = None
     """FSDP2's ``MixedPrecisionPolicy`` the module was sharded with (``None``: none)."""
+    facts: ModelFacts | None = None
+    """The whole model's counts, taken before it was cut."""
 
     def attach(self, module: nn.Module) -> None:
         setattr(module, _STATE, self)

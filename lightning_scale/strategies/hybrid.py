@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
 from lightning_scale.core.deferred_init import DeferredInit
 from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
+from lightning_scale.core.model_facts import ModelFacts
 from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.strategies._checkpoint_hooks import ShardedCheckpoints, elastic_attempt_store
 from lightning_scale.strategies._collectives import WorldCollectives
@@ -151,6 +152,7 @@ class HybridParallelStrategy(
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._num_nodes = 1
+        self._model_facts: ModelFacts | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -190,6 +192,19 @@ class HybridParallelStrategy(
         if self._layout is None:
             raise RuntimeError("The layout is known once the processes are set up (Trainer.fit/validate/...).")
         return self._layout
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's pipeline stages and schedule (``None`` without pipeline parallelism)."""
+        return self._pipeline
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        """Parameter counts and FLOPs per token of the whole model, taken at set-up before it was cut
+        (the same on every rank at every layout; :mod:`lightning_scale.core.model_facts`)."""
+        if self._model_facts is None:
+            raise RuntimeError("The model's facts are known once the strategy set it up (Trainer.fit/validate/...).")
+        return self._model_facts
 
     @property
     @override
@@ -273,6 +288,8 @@ class HybridParallelStrategy(
             # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
             check_pipeline_module(module, self.layout.pp, self.options.loss_names)
         self.model = self.precision_plugin.convert_module(self.model)
+        state = ParallelState.of(module, self.layout, None, None)
+        self._model_facts = state.facts if state is not None and state.facts is not None else self._count(module, trainer)
         deferred = self._plan_or_move_to_device(module)
         self._parallelize(module, deferred)
         plugin = self.precision_plugin
@@ -315,7 +332,7 @@ class HybridParallelStrategy(
             untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
                 hsdp = o.hsdp_split(layout.dp, self.num_nodes) if o.data_parallel_mode == "hsdp" else None
-                ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline, policy).attach(module)
+                ParallelState(layout, hsdp, o, self.device_mesh, self._pipeline, policy, self._model_facts).attach(module)
             if deferred is not None:
                 self._materialize(module, deferred)
         else:
@@ -342,6 +359,18 @@ class HybridParallelStrategy(
                 powersgd_start_iter=o.powersgd_start_iter,
                 **o.ddp_kwargs(),
             )
+
+    def _count(self, module: LightningModule, trainer: Trainer) -> ModelFacts:
+        """The whole model's facts, before it is cut; FLOPs counted on meta tensors with one training
+        batch's shapes (``ModelFacts.measure``) when neither a hook nor a known config gives them and
+        a callback wants them (``needs_model_flops``: ``Throughput``)."""
+        facts = ModelFacts.of(module)
+        wanted = any(getattr(callback, "needs_model_flops", False) for callback in trainer.callbacks)
+        if facts.source == "none" and wanted and trainer.state.fn == TrainerFn.FITTING:
+            batch = example_batch(trainer)
+            if batch is not None:
+                facts.measure(module, module._on_before_batch_transfer(batch, dataloader_idx=0))
+        return facts
 
     def _example_batch(self) -> tuple[Any, Any] | None:
         """``(inputs, target)`` of one batch of this Trainer call's data, on the device, for timing blocks."""

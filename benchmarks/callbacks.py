@@ -1,0 +1,120 @@
+"""What the telemetry callbacks cost a training step: all of ours against none and against Lightning's ThroughputMonitor.
+
+    python benchmarks/callbacks.py                      # tiny GPT, 200 steps a fit, 5 rounds
+    python benchmarks/callbacks.py --steps 60 --rounds 1
+
+One process, the tiny GPT on the bundled corpus, ``MixedPrecision("32-true")`` in every variant,
+Lightning's default ``log_every_n_steps=50``:
+- none: no callbacks;
+- ours: ``Throughput``, ``CostMonitor``, ``StepTimeBreakdown``, ``StragglerMonitor``,
+  ``NumericalHealth`` (warn) and ``CheckpointIntervalAdvisor`` together;
+- lightning: Lightning's ``ThroughputMonitor`` alone (with ``batch_size_fn`` and ``length_fn``).
+Each round fits each variant once (the order rotating); a step's time is the gap between two
+``on_train_batch_end`` calls (every callback's hooks, the logging steps' work included); the first
+``--warmup`` steps of a fit are dropped and the rest averaged (a median would hide the logging
+steps); the report takes the median over rounds. ``overhead_fraction = ours / none - 1`` (target
+<= 0.01: the bound is no overhead at all); ``ratio_vs_throughput_monitor = ours / lightning``
+(target <= 1.01).
+
+Prints ``BENCH callbacks {json}`` last and writes benchmarks/results/callbacks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+from _common import RESULTS, emit
+
+from lightning_scale.callbacks import (
+    CheckpointIntervalAdvisor,
+    CostMonitor,
+    NumericalHealth,
+    StepTimeBreakdown,
+    StragglerMonitor,
+    Throughput,
+)
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import PRESETS, GPTLightningModule
+from lightning_scale.plugins import MixedPrecision
+
+VARIANTS = ("none", "ours", "lightning")
+
+
+class _Gaps(Callback):
+    """Seconds between consecutive ``on_train_batch_end`` calls (last in the callback list)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def _callbacks(variant: str) -> list[Callback]:
+    if variant == "ours":
+        return [Throughput(), CostMonitor(price_per_device_hour=1.0), StepTimeBreakdown(), StragglerMonitor(),
+                NumericalHealth("warn"), CheckpointIntervalAdvisor(mtbf_hours=24)]  # fmt: skip
+    if variant == "lightning":
+        return [ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel())]
+    return []
+
+
+def _fit(variant: str, args: argparse.Namespace) -> float:
+    seed_everything(0, verbose=False)
+    gaps = _Gaps()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        plugins=[MixedPrecision("32-true")], callbacks=[*_callbacks(variant), gaps],
+    )  # fmt: skip
+    module = GPTLightningModule(PRESETS[args.preset])
+    trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
+    steps = [b - a for a, b in zip(gaps.ends, gaps.ends[1:])][args.warmup:]
+    return sum(steps) / len(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per fit (4 logging steps at 200)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=RESULTS / "callbacks.json")
+    args = parser.parse_args()
+    if args.steps <= args.warmup + 1:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")
+    torch.set_num_threads(args.threads)
+    means: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
+        for variant in order:
+            means[variant].append(_fit(variant, args))
+    step = {v: statistics.median(means[v]) for v in VARIANTS}
+    report = {
+        "model": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "log_every_n_steps": 50,
+        "step_s": step,
+        "overhead_fraction": step["ours"] / step["none"] - 1,
+        "ratio_vs_throughput_monitor": step["ours"] / step["lightning"],
+    }
+    emit("callbacks", report, args.out)
+
+
+if __name__ == "__main__":
+    main()

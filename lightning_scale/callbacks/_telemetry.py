@@ -1,0 +1,167 @@
+"""What the telemetry callbacks share: the clock, the run's shape, one reduction, publishing metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_scale.core.model_facts import ModelFacts, batch_shape
+
+__all__ = ["TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved",
+           "publish", "reduce_sum", "replicas", "should_log"]
+
+clock: Callable[[], float] = time.perf_counter
+"""Every telemetry callback's clock (tests patch it)."""
+
+
+class TrainClock:
+    """Training time: the clock minus the time spent in validation inside ``fit``."""
+
+    def __init__(self) -> None:
+        self._paused_at: float | None = None
+        self._paused = 0.0
+
+    def now(self) -> float:
+        return (self._paused_at if self._paused_at is not None else clock()) - self._paused
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = clock()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused += clock() - self._paused_at
+            self._paused_at = None
+
+
+_LISTENERS = "_lightning_scale_checkpoint_listeners"
+
+
+def on_checkpoint_saved(trainer: Trainer, listener: Callable[[float], None]) -> Callable[[], None]:
+    """Call ``listener(seconds)`` after each ``trainer.save_checkpoint`` with the time it blocked
+    (``ModelCheckpoint``, preemption and user saves all go through it); returns the remover. One
+    wrapper per Trainer, shared by every listener."""
+    listeners: list[Callable[[float], None]] | None = trainer.__dict__.get(_LISTENERS)
+    if listeners is None:
+        listeners = trainer.__dict__[_LISTENERS] = []
+        save = trainer.save_checkpoint
+
+        def timed_save(*args: Any, **kwargs: Any) -> Any:
+            begin = clock()
+            try:
+                return save(*args, **kwargs)
+            finally:
+                spent = clock() - begin
+                for listener_ in list(listeners):
+                    listener_(spent)
+
+        trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
+    listeners.append(listener)
+    return lambda: listener in listeners and listeners.remove(listener)  # type: ignore[func-returns-value]
+
+
+class TimedCallback(Callback):
+    """Base of the callbacks that time training: ``self._clock`` stands still during validation inside
+    ``fit``; ``self._cleanups`` run when the fit ends or fails."""
+
+    def __init__(self) -> None:
+        self._clock = TrainClock()
+        self._cleanups: list[Callable[[], Any]] = []
+
+    def _run_cleanups(self) -> None:
+        while self._cleanups:
+            self._cleanups.pop()()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock.pause()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock.resume()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._run_cleanups()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._run_cleanups()
+
+
+def replicas(trainer: Trainer) -> int:
+    """Data-parallel replicas: the processes that see different data (dp), not the world."""
+    try:
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError, NotImplementedError):
+        kwargs = None
+    replicas = (kwargs or {}).get("num_replicas")
+    return int(replicas) if replicas else trainer.world_size
+
+
+def model_facts(trainer: Trainer, module: LightningModule) -> ModelFacts:
+    """The strategy's facts of the whole model (taken before it was cut), or the module's own counts
+    for strategies that do not cut it (DDP; FSDP2's DTensors report global sizes)."""
+    facts = getattr(trainer.strategy, "model_facts", None)
+    return facts if isinstance(facts, ModelFacts) else ModelFacts.of(module)
+
+
+def compute_dtype(trainer: Trainer) -> str:
+    """The dtype matmuls run in under ``Trainer(precision=...)`` (a ``core.peaks`` dtype name)."""
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    if precision.startswith("16"):
+        return "float16"
+    if precision.startswith("64"):
+        return "float64"
+    if "transformer-engine" in precision:
+        return "float8"
+    if trainer.strategy.root_device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "float32"
+
+
+def device_name(trainer: Trainer) -> str:
+    device = trainer.strategy.root_device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def batch_tokens(batch: Any, shape_fn: Callable[[Any], tuple[int, int]] | None) -> tuple[int, int]:
+    """``(samples, tokens per sample)`` of a batch, by ``shape_fn`` when given."""
+    shape = shape_fn(batch) if shape_fn is not None else batch_shape(batch)
+    if shape is None:
+        raise ValueError(
+            f"Cannot tell the samples and tokens of a batch of type {type(batch).__name__}: no tensor found. "
+            "Pass batch_shape=lambda batch: (samples, tokens_per_sample)."
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def reduce_sum(trainer: Trainer, values: Iterable[float]) -> list[float]:
+    """Sum over every process (one all-reduce of float64 numbers; none when not distributed)."""
+    values = list(values)
+    if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+        return values
+    device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def should_log(trainer: Trainer) -> bool:
+    """At Lightning's logging steps (``Trainer(log_every_n_steps=...)``), once the accumulation window closed."""
+    return trainer._logger_connector.should_update_logs and not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[str] = ()) -> None:
+    """To the loggers (global rank 0), ``trainer.callback_metrics`` (``ModelCheckpoint``, ``ConsoleLogger``,
+    ``EarlyStopping`` read them) and the progress bar (the ``prog_bar`` keys)."""
+    if not metrics:
+        return
+    tensors = {k: torch.tensor(float(v)) for k, v in metrics.items()}
+    trainer.callback_metrics.update(tensors)
+    trainer.progress_bar_metrics.update({k: float(metrics[k]) for k in prog_bar if k in metrics})
+    if trainer.is_global_zero:
+        trainer._logger_connector.log_metrics(dict(tensors), step=trainer.global_step)

@@ -1,0 +1,138 @@
+"""``StragglerMonitor``: ranks whose own work is slower than the median's, with rank and host."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_scale.callbacks import _telemetry as telemetry
+from lightning_scale.core.pipeline_timing import TimerReader
+
+__all__ = ["StragglerMonitor"]
+
+
+def _probe(device: torch.device, size: int = 128, repeats: int = 5) -> float:
+    """Seconds for 4 ``size``-square fp32 matmuls on ``device``: the fastest of ``repeats`` tries, so
+    a moment of preemption does not count."""
+    a = torch.randn(size, size, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(4):
+            b = a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - begin)
+        del b
+    return best
+
+
+class StragglerMonitor(telemetry.TimedCallback):
+    """Flag ranks slower than ``factor`` x the median rank, naming rank, host and ratio.
+
+    Synchronous training makes every rank's wall time per step the same (the fast ones wait for
+    the slow one inside the collectives, DDP's buffer broadcast at the start of the forward
+    included), so a span that contains a collective cannot name the slow rank. Each rank is timed
+    on what it does alone:
+
+    - ``local``: per step, the wait for its data (end of one batch to the start of the next) and,
+      under pipeline parallelism, its stages' own compute inside the schedule;
+    - ``probe``: at each logging step, a fixed matmul on its device (the fastest of a few tries):
+      a slow or throttled device shows here even when its slowness hides in collectives.
+
+    Both are gathered at Lightning's logging steps (one all-reduce of two numbers per rank); global
+    rank 0 warns naming each slow rank, its host, which measure and its ratio, and every rank logs
+    ``stragglers/count`` and ``stragglers/max_ratio``. ``flagged`` keeps
+    ``(step, rank, host, ratio)`` of every report.
+
+    Args:
+        factor: a rank is slow above ``factor`` x the median (``> 1``).
+        probe: run the matmul probe at logging steps.
+    """
+
+    def __init__(self, factor: float = 1.5, *, probe: bool = True) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+            raise ValueError(f"factor={factor!r} must be a number above 1 (a slow rank's time over the median's).")
+        super().__init__()
+        self.factor = float(factor)
+        self.probe = probe
+        self.flagged: list[tuple[int, int, str, float]] = []
+        self._hosts: list[str] = []
+        self._local = 0.0
+        self._steps = 0
+        self._mark: float | None = None
+        self._timer: TimerReader | None = None
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        host = socket.gethostname()
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            hosts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(hosts, host)  # once per fit
+            self._hosts = [str(h) for h in hosts]
+        else:
+            self._hosts = [host]
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        self._timer = TimerReader(pipeline.timer) if pipeline is not None else None
+        self._clock, self._local, self._steps, self._mark = telemetry.TrainClock(), 0.0, 0, None
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        now = self._clock.now()
+        if self._mark is not None:
+            self._local += now - self._mark  # waiting for data
+        self._mark = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            self._mark = self._clock.now()
+            return
+        self._steps += 1
+        if telemetry.should_log(trainer):
+            telemetry.publish(trainer, self.compute(trainer))
+        self._mark = self._clock.now()  # after the logging step's own work
+
+    def compute(self, trainer: Trainer) -> dict[str, float]:
+        local = self._local
+        if self._timer is not None:
+            local += self._timer.take()[1]
+        world, rank = trainer.world_size, trainer.global_rank
+        mine = [0.0] * (2 * world)
+        mine[rank] = local / max(1, self._steps)
+        mine[world + rank] = _probe(trainer.strategy.root_device) if self.probe else 0.0
+        times = telemetry.reduce_sum(trainer, mine)
+        self._local, self._steps = 0.0, 0
+        slow: dict[int, str] = {}
+        worst = 0.0
+        for name, values in (("local time per step", times[:world]), ("matmul probe", times[world:])):
+            median = statistics.median(values)
+            if median <= 0:
+                continue
+            for r, value in enumerate(values):
+                ratio = value / median
+                worst = max(worst, ratio)
+                if ratio > self.factor:
+                    host = self._hosts[r] if r < len(self._hosts) else "?"
+                    self.flagged.append((trainer.global_step, r, host, ratio))
+                    slow[r] = slow.get(r, "") + f"{'; ' if r in slow else ''}{name} {ratio:.2f}x the median " \
+                                               f"({value * 1e3:.1f} ms vs {median * 1e3:.1f} ms)"
+        if slow:
+            rank_zero_warn(
+                f"StragglerMonitor at step {trainer.global_step}: "
+                + ", ".join(f"rank {r} on {self._hosts[r] if r < len(self._hosts) else '?'}: {why}"
+                            for r, why in sorted(slow.items()))  # fmt: skip
+            )
+        return {"stragglers/count": float(len(slow)), "stragglers/max_ratio": worst}

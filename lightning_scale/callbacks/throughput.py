@@ -1,0 +1,190 @@
+"""``Throughput``: samples/s, tokens/s and MFU, right at every (dp, tp, pp) layout."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_scale.callbacks import _telemetry as telemetry
+from lightning_scale.core.flops import model_flops_utilization
+from lightning_scale.core.model_facts import FLOPS_HOOK, ModelFacts
+from lightning_scale.core.peaks import device_peak, measured_peak
+
+__all__ = ["Throughput"]
+
+
+class _Mark(NamedTuple):
+    time: float
+    tokens: float
+    samples: float
+    flops: float
+
+
+class Throughput(telemetry.TimedCallback):
+    """Log throughput and model FLOPs utilisation at Lightning's logging steps.
+
+    Tokens are counted per **data-parallel replica**: every process of a replica (its tensor and
+    pipeline ranks) sees the same batch, so the processes' counts are summed and divided by the
+    processes per replica. Rates are over the last ``window`` optimizer steps (validation inside
+    ``fit`` excluded), timed by each process's own clock; the only synchronisation is one all-reduce
+    of a few numbers at each logging step.
+
+    MFU is ``FLOPs per token x tokens/s / (devices x peak)``: FLOPs per token from the model
+    (:mod:`lightning_scale.core.model_facts`: a ``flops_per_token(seq_len)`` hook, the analytic
+    transformer count, or ``FlopCounterMode`` on meta tensors), the peak from the dense datasheet
+    table (:mod:`lightning_scale.core.peaks`) for the dtype the precision computes in. On a CPU the
+    peak is measured once by a matmul and logged as ``train/peak_flops_measured``. A device or dtype
+    the table does not know gets a warning naming ``peak_flops`` and no MFU, never a guessed peak.
+    ``train/hfu`` (hardware FLOPs) is logged as well when activation checkpointing recomputes
+    forwards: a recomputed share ``f`` of the model adds ``f / 3`` of the training FLOPs.
+
+    Args:
+        window: optimizer steps the rates are averaged over.
+        peak_flops: dense FLOP/s of one device, overriding the table (or the measurement).
+        causal: count attention's causal half only in the analytic count (what FlashAttention-style
+            kernels compute); the default counts the full product.
+        batch_shape: ``batch -> (samples, tokens per sample)``; the default reads the token ids
+            (the batch, a tuple's first element or ``input_ids``; a float input is one token per sample).
+        recomputed_fraction: share of the model whose forward is recomputed; default: from the
+            ``HybridParallelStrategy``'s activation checkpointing (``full`` 1, ``selective`` 1/k), else 0.
+    """
+
+    needs_model_flops = True
+    """Asks ``HybridParallelStrategy`` to count the FLOPs of a model it cannot read them from, before it cuts it."""
+
+    def __init__(
+        self,
+        window: int = 50,
+        *,
+        peak_flops: float | None = None,
+        causal: bool = False,
+        batch_shape: Callable[[Any], tuple[int, int]] | None = None,
+        recomputed_fraction: float | None = None,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be a positive number of optimizer steps.")
+        if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device.")
+        if recomputed_fraction is not None and not 0.0 <= recomputed_fraction <= 1.0:
+            raise ValueError(f"recomputed_fraction={recomputed_fraction!r} must be between 0 and 1.")
+        super().__init__()
+        self.window = window
+        self.peak_flops = peak_flops
+        self.causal = causal
+        self.batch_shape = batch_shape
+        self.recomputed_fraction = recomputed_fraction
+        self.facts: ModelFacts | None = None
+        self._peak: float | None = None
+        self._measured_peak = False
+        self._marks: deque[_Mark] = deque(maxlen=window + 1)
+        self._totals = [0.0, 0.0, 0.0]  # tokens, samples, flops on this process since fit started
+
+    # ------------------------------------------------------------------ set-up
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.facts = telemetry.model_facts(trainer, pl_module)
+        self._uncut = not hasattr(trainer.strategy, "model_facts")
+        self._peak, self._measured_peak = self._find_peak(trainer)
+        self._fraction = self._recomputed(trainer)
+        self._marks.clear()
+        self._totals = [0.0, 0.0, 0.0]
+        self._clock = telemetry.TrainClock()
+        self._warned_flops = False
+
+    def _find_peak(self, trainer: Trainer) -> tuple[float | None, bool]:
+        if self.peak_flops is not None:
+            return float(self.peak_flops), False
+        dtype, name = telemetry.compute_dtype(trainer), telemetry.device_name(trainer)
+        if name == "cpu":
+            peak = measured_peak(dtype)
+            rank_zero_info(
+                f"Throughput: a CPU has no datasheet peak; MFU is against {peak / 1e9:.1f} GFLOP/s per process, "
+                f"measured by a {dtype} matmul (train/peak_flops_measured)."
+            )
+            return peak, True
+        peak = device_peak(name, dtype)
+        if peak is None:
+            rank_zero_warn(
+                f"Throughput: no dense peak FLOP/s is known for {name!r} computing in {dtype}, so train/mfu is not "
+                "logged. Pass Throughput(peak_flops=...) with one device's dense peak to report it."
+            )
+        return peak, False
+
+    def _recomputed(self, trainer: Trainer) -> float:
+        if self.recomputed_fraction is not None:
+            return self.recomputed_fraction
+        options = getattr(trainer.strategy, "options", None)
+        mode = getattr(options, "activation_checkpointing", "none")
+        if mode == "full":
+            return 1.0
+        if mode == "selective":
+            return 1.0 / max(1, int(getattr(options, "activation_checkpointing_every", 1)))
+        return 0.0
+
+    # ------------------------------------------------------------------ counting
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._marks.append(_Mark(self._clock.now(), *self._totals))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
+        tokens = samples * seq_len
+        self._totals[0] += tokens
+        self._totals[1] += samples
+        assert self.facts is not None
+        if self.facts.source == "none" and not self._warned_flops and self._uncut:
+            # A strategy that does not cut the model (DDP): count one training step on meta tensors now.
+            self.facts.measure(pl_module, batch)
+        flops = self.facts.flops_per_token(seq_len, causal=self.causal)
+        if flops is None and not self._warned_flops:
+            self._warned_flops = True
+            rank_zero_warn(
+                f"Throughput: the FLOPs per token of {type(pl_module).__name__} are unknown (no {FLOPS_HOOK}(seq_len) "
+                "hook, no transformer config, and FlopCounterMode could not run its training step on meta tensors), so "
+                f"train/mfu is not logged. Define {type(pl_module).__name__}.{FLOPS_HOOK}(self, seq_len) -> float."
+            )
+        self._totals[2] += tokens * (flops or 0.0)
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        self._marks.append(_Mark(self._clock.now(), *self._totals))
+        if telemetry.should_log(trainer):
+            telemetry.publish(trainer, self.compute(trainer), prog_bar=("train/tokens_per_sec", "train/mfu"))
+
+    def compute(self, trainer: Trainer) -> dict[str, float]:
+        """The metrics over the window (one all-reduce when distributed)."""
+        first, last = self._marks[0], self._marks[-1]
+        window = (last.tokens - first.tokens, last.samples - first.samples, last.flops - first.flops)
+        per_replica = trainer.world_size / telemetry.replicas(trainer)
+        tokens, samples, flops, total_tokens, total_samples = (
+            v / per_replica for v in telemetry.reduce_sum(trainer, [*window, *self._totals[:2]])
+        )
+        devices = trainer.world_size
+        seconds = last.time - first.time
+        out = {"train/tokens": total_tokens, "train/samples": total_samples}
+        if seconds <= 0:
+            return out
+        out |= {
+            "train/tokens_per_sec": tokens / seconds,
+            "train/tokens_per_sec_per_device": tokens / seconds / devices,
+            "train/samples_per_sec": samples / seconds,
+            "train/samples_per_sec_per_device": samples / seconds / devices,
+        }
+        if self._peak is not None and flops > 0:
+            # flops / tokens: FLOPs per token averaged over the window's sequence lengths.
+            mfu = model_flops_utilization(flops / tokens, tokens / seconds, devices, self._peak)
+            out["train/mfu"] = mfu
+            if self._fraction > 0:
+                out["train/hfu"] = mfu * (1 + self._fraction / 3)
+            if self._measured_peak:
+                out["train/peak_flops_measured"] = self._peak
+        return out

@@ -1,0 +1,495 @@
+"""Telemetry: model facts at every layout, throughput and MFU, cost (callbacks and ``core``)."""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_cases, run_distributed
+from helpers.lightning import quiet_trainer
+from helpers.models import StackModule, lm_loss
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+import lightning_scale.callbacks._telemetry as telemetry
+from lightning_scale.callbacks import (
+    CheckpointIntervalAdvisor,
+    CostMonitor,
+    NumericalHealth,
+    StepTimeBreakdown,
+    StragglerMonitor,
+    Throughput,
+)
+from lightning_scale.core.checkpoint_interval import daly_interval, young_interval
+from lightning_scale.core.cost import PRICES, CostMeter, device_price, price_multiplier
+from lightning_scale.core.health import LossSpikeDetector
+from lightning_scale.core.model_facts import ModelFacts, transformer_shape
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.strategies import HybridParallelStrategy
+
+CONFIG = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16)
+SEQ, BATCH = 16, 4
+# N of 6N by hand: per layer qkv 32x96, out 32x32, MLP 32x128 twice; the tied head 32x256.
+N = 2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 32 * 256
+FLOPS_PER_TOKEN = 6 * N + 12 * 2 * 2 * 16 * SEQ
+# tests.helpers.models.StackModule: four MLP blocks (32 -> 64 -> 32) and a 32 -> 256 head, all with
+# input gradients (they come after the embedding).
+STACK_N = 4 * 2 * 32 * 64 + 32 * 256
+
+
+class FakeClock:
+    """Advances ``step`` seconds at every reading."""
+
+    def __init__(self, step: float) -> None:
+        self.step, self.now = step, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+class Logged(Callback):
+    """The telemetry metrics of every optimizer step (after the callbacks before it published)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        keys = [k for k in trainer.callback_metrics if k.split("/")[0] in ("train", "cost", "energy", "checkpoint", "pipeline")]
+        self.steps.append({k: float(trainer.callback_metrics[k]) for k in keys})
+
+
+def _fit(callbacks: list[Callback], steps: int = 3, **trainer_kwargs: Any) -> Logged:
+    seed_everything(0, verbose=False)
+    logged = Logged()
+    trainer = quiet_trainer(max_steps=steps, callbacks=[*callbacks, logged], **trainer_kwargs)
+    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return logged
+
+
+# ---------------------------------------------------------------------------- model facts
+
+
+def test_facts_of_the_gpt_are_analytic_and_match_the_flop_counter() -> None:
+    module = GPTLightningModule(CONFIG)
+    facts = ModelFacts.of(module)
+    assert (facts.source, facts.matmul_parameters) == ("analytic", N)
+    assert facts.parameters == sum(p.numel() for p in module.parameters())
+    assert facts.non_embedding_parameters == facts.parameters - 256 * 32 - 16 * 32  # token and position tables
+    assert facts.flops_per_token(SEQ) == FLOPS_PER_TOKEN
+    counted = ModelFacts.of(module)
+    counted.shape = None
+    tokens = torch.randint(0, 256, (BATCH, SEQ))
+    assert counted.measure(module, (tokens, tokens)) and counted.source == "measured"
+    assert counted.flops_per_token(SEQ) == pytest.approx(FLOPS_PER_TOKEN, rel=0.02)
+    assert module.model.head.weight.device.type == "cpu"  # counted on meta copies, the module untouched
+
+
+def test_facts_of_hf_configs_a_hook_and_a_model_with_no_config() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(config)
+    facts = ModelFacts.of(llama)
+    assert facts.source == "analytic" and facts.shape == transformer_shape(config)
+    counted = ModelFacts.of(llama)
+    counted.shape = None
+    assert counted.measure(llama, {"input_ids": torch.randint(0, 128, (2, 32))})
+    assert counted.flops_per_token(32) == pytest.approx(facts.flops_per_token(32), rel=0.02)
+    # A mixture of experts runs only the routed share of N: no analytic count.
+    assert transformer_shape(transformers.MixtralConfig(num_local_experts=4)) is None
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+        def flops_per_token(self, seq_len: int) -> float:
+            return 1000.0 + seq_len
+
+    assert ModelFacts.of(Hooked()).flops_per_token(24) == 1024.0
+    mlp = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3))
+    facts = ModelFacts.of(mlp)
+    assert facts.source == "none" and facts.flops_per_token(1) is None
+    assert facts.measure(mlp, (torch.randn(4, 10), torch.zeros(4)))
+    # Forward 2N, weight gradients 2N, input gradients 2N except the first layer's (no input grad).
+    assert facts.flops_per_token(1) == 6 * (200 + 60) - 2 * 200
+
+
+class RecordFacts(Callback):
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.facts = telemetry.model_facts(trainer, pl_module)
+
+
+def _facts_at(world: int, **layout: int) -> tuple[int, int, int, float | None]:
+    seed_everything(0, verbose=False)
+    record = RecordFacts()
+    strategy = HybridParallelStrategy(**layout, microbatches=2) if world > 1 else "auto"
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1, callbacks=[record])
+    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    f = record.facts
+    local = sum(p.numel() for p in trainer.lightning_module.parameters())
+    return (f.parameters, f.non_embedding_parameters, local, f.flops_per_token(SEQ))
+
+
+class LastMetrics(Callback):
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+BUBBLE = GPTConfig(n_layers=4, d_model=128, n_heads=4, block_size=64)
+
+
+def _bubble(world: int, microbatches: int) -> dict[str, float]:
+    """pp=2 1F1B; big enough micro-batches that gloo's point-to-point latency is small beside them."""
+    seed_everything(0, verbose=False)
+    last = LastMetrics()
+    strategy = HybridParallelStrategy(data_parallel=1, pipeline_parallel=2, microbatches=microbatches)
+    # Logged at steps 2 and 4: the last figures leave out the first step's warm-up.
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=4, log_every_n_steps=2,
+                            callbacks=[StepTimeBreakdown(), last])  # fmt: skip
+    trainer.fit(GPTLightningModule(BUBBLE), datamodule=TextDataModule(seq_len=64, global_batch_size=64))
+    return last.metrics
+
+
+class SlowRank(Callback):
+    """Rank 1 takes 50 ms longer to get each batch (ahead of the monitor in the callback list)."""
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 1:
+            time.sleep(0.05)
+
+
+def _stragglers(world: int) -> list[tuple[int, int, str, float]]:
+    seed_everything(0, verbose=False)
+    monitor = StragglerMonitor(factor=1.3)
+    trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
+                            callbacks=[SlowRank(), monitor])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return monitor.flagged
+
+
+def _stack_facts(world: int) -> tuple[str, float | None]:
+    """A user's module with no config at pp=2: its FLOPs are counted before the cut."""
+    seed_everything(0, verbose=False)
+    record = RecordFacts()
+    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=2,
+                            microbatches=2), max_steps=1, callbacks=[Throughput(peak_flops=1e9), record])  # fmt: skip
+    trainer.fit(StackModule(), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return record.facts.source, record.facts.flops_per_token(SEQ)
+
+
+CASES_2: dict[str, Any] = {
+    "pp2": lambda w: _facts_at(w, data_parallel=1, pipeline_parallel=2),
+    "stack-pp2": _stack_facts,
+    "tp2": lambda w: _facts_at(w, data_parallel=1, tensor_parallel=2),
+    "bubble-m2": lambda w: _bubble(w, 2),
+    "bubble-m8": lambda w: _bubble(w, 8),
+    "stragglers": _stragglers,
+}
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_distributed(run_cases, 2, __name__, "CASES_2", timeout=240)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_parameter_count_and_flops_are_the_whole_models_at_every_layout(two: list[dict[str, Any]], layout: str) -> None:
+    whole = _facts_at(1)
+    for rank in two:
+        params, non_embedding, local, flops = rank[layout]
+        assert (params, non_embedding, flops) == (whole[0], whole[1], whole[3])
+        if layout == "pp2":
+            assert local < params  # each stage holds only its blocks: the facts were taken before the cut
+
+
+def test_the_measured_bubble_falls_with_microbatches_and_is_near_the_prediction(two: list[dict[str, Any]]) -> None:
+    m2, m8 = two[0]["bubble-m2"], two[0]["bubble-m8"]
+    assert (m2["pipeline/bubble_predicted"], m8["pipeline/bubble_predicted"]) == pytest.approx((1 / 3, 1 / 9))
+    assert m8["pipeline/bubble_measured"] < m2["pipeline/bubble_measured"]
+    for metrics in (m2, m8):
+        assert abs(metrics["pipeline/bubble_measured"] - metrics["pipeline/bubble_predicted"]) < 0.1, metrics
+        # The stages' compute and idle time add up to the schedule's; the step's parts to the step.
+        stages = sum(metrics[f"pipeline/stage{k}/{part}"] for k in (0, 1) for part in ("compute", "idle")) / 2
+        bubble = metrics["pipeline/bubble_measured"]
+        assert metrics["train/step_time/bubble"] == pytest.approx(bubble * stages, rel=1e-6)
+        parts = ("data", "compute", "optimizer", "checkpoint", "bubble")
+        assert metrics["train/step_time/total"] == pytest.approx(sum(metrics[f"train/step_time/{p}"] for p in parts))
+    assert two[0]["bubble-m8"] == two[1]["bubble-m8"]  # every rank logs the same figures
+
+
+def test_a_rank_slowed_on_purpose_is_flagged_with_its_host_and_the_other_is_not(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        flagged = rank["stragglers"]
+        assert flagged and {r for _, r, _, _ in flagged} == {1}, flagged
+        assert all(host == socket.gethostname() and ratio > 1.3 for _, _, host, ratio in flagged)
+
+
+def test_stragglers_and_advisor_reject_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"factor=1 must be a number above 1"):
+        StragglerMonitor(factor=1)
+    with pytest.raises(ValueError, match=r"mtbf_hours=0 must be a positive number of hours"):
+        CheckpointIntervalAdvisor(mtbf_hours=0)
+
+
+# ---------------------------------------------------------------------------- throughput and MFU
+
+
+def test_throughput_and_mfu_from_a_patched_clock_equal_hand_computed_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry, "clock", FakeClock(0.25))  # every step takes 0.25 s
+    logged = _fit([Throughput(window=2, peak_flops=1e9, recomputed_fraction=0.5)], steps=4)
+    last = logged.steps[-1]
+    tokens_per_sec = BATCH * SEQ / 0.25
+    assert last["train/tokens_per_sec"] == pytest.approx(tokens_per_sec)
+    assert last["train/tokens_per_sec_per_device"] == pytest.approx(tokens_per_sec)
+    assert last["train/samples_per_sec"] == pytest.approx(BATCH / 0.25)
+    assert last["train/tokens"] == 4 * BATCH * SEQ
+    assert last["train/mfu"] == pytest.approx(FLOPS_PER_TOKEN * tokens_per_sec / 1e9)
+    assert last["train/hfu"] == pytest.approx(last["train/mfu"] * (1 + 0.5 / 3))
+    assert "train/peak_flops_measured" not in last
+
+
+def test_on_cpu_the_peak_is_measured_and_logged_as_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    last = _fit([Throughput()], steps=2).steps[-1]
+    assert last["train/peak_flops_measured"] > 1e8  # any CPU does 0.1 GFLOP/s in fp32
+    assert 0 < last["train/mfu"] < 1
+    assert "train/hfu" not in last  # nothing recomputed
+
+
+def test_an_unknown_device_warns_naming_the_override_and_logs_no_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry, "device_name", lambda trainer: "NVIDIA GeForce RTX 3090")
+    with pytest.warns(UserWarning) as warned:
+        last = _fit([Throughput(), CostMonitor()], steps=2).steps[-1]
+    messages = "\n".join(str(w.message) for w in warned)
+    assert re.search(r"no dense peak FLOP/s is known for 'NVIDIA GeForce RTX 3090'.*Pass Throughput\(peak_flops=\.\.\.\)",
+                     messages), messages  # fmt: skip
+    assert re.search(r"no price is known for 'NVIDIA GeForce RTX 3090'.*Pass CostMonitor\(price_per_device_hour=",
+                     messages), messages  # fmt: skip
+    assert "train/tokens_per_sec" in last and "train/mfu" not in last and "cost/usd" not in last
+
+
+class Opaque(StackModule):
+    """No config, no forward, and a training step that needs the batch's values."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        keep = int(batch[0][0, 0].item()) % 3 + 1
+        return lm_loss(self.net(batch[0][:, :keep]), batch[1][:, :keep])
+
+
+def _mfu_of(module: Any) -> tuple[Throughput, float | None]:
+    seed_everything(0, verbose=False)
+    logged, throughput = Logged(), Throughput(peak_flops=1e9)
+    trainer = quiet_trainer(max_steps=2, callbacks=[throughput, logged])
+    trainer.fit(module, datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return throughput, logged.steps[-1].get("train/mfu")
+
+
+def test_a_user_module_with_no_config_or_forward_has_its_training_step_counted() -> None:
+    throughput, mfu = _mfu_of(StackModule())
+    assert throughput.facts.source == "measured" and throughput.facts.flops_per_token(SEQ) == 6 * STACK_N
+    assert mfu is not None and mfu > 0
+
+
+def test_a_user_module_is_counted_before_the_pipeline_cuts_it(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert rank["stack-pp2"] == ("measured", 6 * STACK_N)
+
+
+def test_a_model_without_flops_warns_naming_the_hook() -> None:
+    with pytest.warns(UserWarning, match=r"FLOPs per token of Opaque are unknown.*Define Opaque\.flops_per_token"):
+        assert _mfu_of(Opaque())[1] is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"window": 0}, r"window=0 must be a positive number of optimizer steps"),
+        ({"peak_flops": -1.0}, r"peak_flops=-1.0 must be a positive number of FLOP/s per device"),
+        ({"recomputed_fraction": 2.0}, r"recomputed_fraction=2.0 must be between 0 and 1"),
+    ],
+)
+def test_throughput_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Throughput(**kwargs)
+
+
+# ---------------------------------------------------------------------------- step time, checkpoint interval
+
+
+def test_young_and_daly_intervals() -> None:
+    cost, mtbf = 60.0, 24 * 3600.0
+    assert young_interval(cost, mtbf) == pytest.approx(math.sqrt(2 * 60 * 86400))
+    ratio = cost / (2 * mtbf)
+    assert daly_interval(cost, mtbf) == pytest.approx(young_interval(cost, mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost)
+    assert daly_interval(100.0, 40.0) == 40.0  # a checkpoint costing more than two MTBFs: every MTBF
+    with pytest.raises(ValueError, match=r"cost_s=-1 must be >= 0 and mtbf_s=1 > 0"):
+        young_interval(-1, 1)
+
+
+def test_step_time_parts_and_the_checkpoint_interval_from_timed_saves(tmp_path: Any) -> None:
+    save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    advisor = CheckpointIntervalAdvisor(mtbf_hours=24)
+    logged = _fit([StepTimeBreakdown(), advisor, save], steps=4, enable_checkpointing=True)
+    last = logged.steps[-1]
+    parts = [last[f"train/step_time/{p}"] for p in ("data", "compute", "optimizer", "checkpoint")]
+    assert all(p >= 0 for p in parts) and last["train/step_time/compute"] > 0
+    # ModelCheckpoint saves after the other callbacks' batch end: step 2's save is in step 3's figures.
+    assert logged.steps[2]["train/step_time/checkpoint"] > 0 and logged.steps[1]["train/step_time/checkpoint"] == 0
+    assert last["train/step_time/total"] == pytest.approx(sum(parts))
+    assert "pipeline/bubble_measured" not in last
+    cost = last["checkpoint/save_s"]
+    assert cost > 0 and last["checkpoint/interval_daly_s"] == pytest.approx(daly_interval(cost, 24 * 3600))
+    assert last["checkpoint/interval_daly_steps"] > 0
+
+
+# ---------------------------------------------------------------------------- cost
+
+
+def test_one_hour_on_eight_devices_costs_eight_device_hours() -> None:
+    meter = CostMeter(usd_per_device_hour=2.5)
+    meter.advance(seconds=3600.0, devices=8, tokens=1e6)
+    metrics = meter.metrics(steps_done=100, max_steps=300, devices=8, seconds_per_step=36.0)
+    assert metrics["cost/usd"] == pytest.approx(8 * 2.5)
+    assert metrics["cost/usd_per_1m_tokens"] == pytest.approx(20.0)
+    assert metrics["cost/projected_usd"] == pytest.approx(3 * 20.0)
+    assert metrics["cost/projected_hours"] == pytest.approx(3.0)
+    assert "energy/kwh" not in metrics  # no power readings: no energy, never a guess
+    meter.advance(seconds=3600.0, devices=8, tokens=0, joules=7.2e6)
+    assert meter.metrics(steps_done=0, max_steps=None, devices=8, seconds_per_step=None,
+                         grid_kg_co2_per_kwh=0.5)["energy/co2_kg"] == pytest.approx(1.0)  # fmt: skip
+
+
+def test_prices_have_dates_and_sources_and_pricing_is_checked() -> None:
+    assert device_price("NVIDIA H100 80GB HBM3").usd_per_device_hour == pytest.approx(98.32 / 8)
+    assert device_price("NVIDIA GeForce RTX 3090") is None
+    for price in PRICES.values():
+        assert price.source.startswith("https://") and price.date[:2] == "20" and price.usd_per_device_hour > 0
+    assert price_multiplier("spot") < price_multiplier("reserved") < price_multiplier("on_demand") == 1.0
+    with pytest.raises(ValueError, match=r"pricing='cheap' must be one of \['on_demand', 'reserved', 'spot'\]"):
+        CostMonitor(pricing="cheap")
+    with pytest.raises(ValueError, match=r"price_per_device_hour=-2 must be a non-negative number"):
+        CostMonitor(price_per_device_hour=-2)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ckpt-file", "sharded-dir"])
+def test_cost_is_booked_per_device_hour_and_continues_after_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, sharded: bool
+) -> None:
+    monkeypatch.setattr(telemetry, "clock", FakeClock(600.0))  # ten simulated minutes per reading
+    strategy = (lambda: HybridParallelStrategy()) if sharded else (lambda: "auto")
+    save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=False)
+    logged = _fit([CostMonitor(price_per_device_hour=6.0, target_loss=100.0), save], steps=3,
+                  enable_checkpointing=True, strategy=strategy())  # fmt: skip
+    first = logged.steps[-1]
+    # Readings: fit start, then one per step: 3 x 10 minutes on one device at $6/h.
+    assert first["cost/usd"] == pytest.approx(3 * 600 / 3600 * 6.0)
+    assert first["cost/usd_per_1m_tokens"] == pytest.approx(first["cost/usd"] / (3 * BATCH * SEQ) * 1e6)
+    assert first["cost/hours_to_target"] == pytest.approx(600 / 3600)  # train/loss <= 100 at the first step
+    assert first["cost/projected_hours"] == pytest.approx(3 * 600 / 3600)  # max_steps reached
+    assert "energy/kwh" not in first
+    seed_everything(0, verbose=False)
+    logged = Logged()
+    trainer = quiet_trainer(max_steps=4, strategy=strategy(), callbacks=[CostMonitor(price_per_device_hour=6.0), logged])
+    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH),
+                ckpt_path=save.best_model_path or save.last_model_path)  # fmt: skip
+    resumed = logged.steps[-1]
+    # The saved total (3 steps and the save's reading) plus this run's start and one step.
+    assert resumed["cost/usd"] > first["cost/usd"] + 600 / 3600 * 6.0
+    assert resumed["cost/hours_to_target"] == pytest.approx(600 / 3600)  # kept from the first run
+
+
+# ---------------------------------------------------------------------------- numerical health
+
+
+class NaNAt(GPTLightningModule):
+    """The loss is NaN at one global step, once."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__(CONFIG, learning_rate=3e-3)
+        self.bad_step, self.fired = bad_step, False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.bad_step and not self.fired:
+            self.fired = True
+            return loss * float("nan")
+        return loss
+
+
+class Snapshots(Callback):
+    """A flat copy of the parameters after every batch (after the callbacks before it)."""
+
+    def __init__(self) -> None:
+        self.after: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+
+
+def _health_run(policy: str, tmp_path: Any, steps: int = 6, bad_step: int = 3) -> tuple[Any, NumericalHealth, Snapshots, list[str]]:
+    seed_everything(0, verbose=False)
+    health, snaps = NumericalHealth(policy, min_history=2), Snapshots()
+    save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer(max_steps=steps, strategy=HybridParallelStrategy(), enable_checkpointing=True,
+                            callbacks=[health, snaps, save])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(NaNAt(bad_step), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return trainer, health, snaps, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "stop", "rollback"])
+def test_an_injected_nan_triggers_each_policy(policy: str, tmp_path: Any) -> None:
+    trainer, health, snaps, messages = _health_run(policy, tmp_path)
+    assert health.events[0][:2] == (3, "non-finite loss (nan)")
+    assert len(health.events) == 1 or policy == "warn"  # warned, the NaN step poisons the weights: NaN after
+    assert any("NumericalHealth at global step 3: non-finite loss (nan)" in m for m in messages), messages
+    bad = 3  # the batch index of the NaN step (one batch per step)
+    finite = bool(torch.isfinite(snaps.after[-1]).all())
+    if policy == "warn":
+        assert not finite  # the NaN step was taken
+        return
+    assert finite
+    if policy != "rollback":
+        assert torch.equal(snaps.after[bad], snaps.after[bad - 1])  # the NaN step was not taken
+    if policy == "skip":
+        assert len(snaps.after) == 6 and health.skipped == 1
+    elif policy == "stop":
+        assert len(snaps.after) == bad + 1 and trainer.should_stop
+    else:
+        # Rolled back to the step-2 checkpoint (after batch index 1), then trained to the end.
+        assert health.rollbacks == 1 and any("rolled back to" in m and "step=2" in m for m in messages), messages
+        assert torch.equal(snaps.after[bad], snaps.after[1])
+        assert len(snaps.after) == 6 and not torch.equal(snaps.after[-1], snaps.after[bad])
+
+
+def test_a_loss_spike_is_flagged_and_ordinary_noise_is_not() -> None:
+    detector = LossSpikeDetector(window=10, zscore=4.0, min_history=5)
+    for value in (2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 2.02):
+        assert detector.check(value).healthy
+    spike = detector.check(5.0)
+    assert not spike.healthy and spike.zscore > 4 and "loss spike: 5 is" in spike.reason
+    assert detector.check(1.98).healthy  # the spike did not enter the window
+    assert not detector.check(2.0, grad_norm=float("inf")).healthy
+
+
+def test_health_needs_our_precision_plugin_and_valid_arguments() -> None:
+    with pytest.raises(ValueError, match=r"policy='undo' must be one of"):
+        NumericalHealth("undo")
+    with pytest.raises(ValueError, match=r"min_history=1 must be an integer between 2 and window=100"):
+        NumericalHealth(min_history=1)
+    trainer = quiet_trainer(max_steps=1, callbacks=[NumericalHealth("skip")])
+    with pytest.raises(ValueError, match=r"precision plugin is .*Pass Trainer\(plugins=\[MixedPrecision\('32-true'\)\]\)"):
+        trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
