@@ -493,3 +493,25 @@ def test_health_needs_our_precision_plugin_and_valid_arguments() -> None:
     trainer = quiet_trainer(max_steps=1, callbacks=[NumericalHealth("skip")])
     with pytest.raises(ValueError, match=r"precision plugin is .*Pass Trainer\(plugins=\[MixedPrecision\('32-true'\)\]\)"):
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+
+
+class InfGradAt(Callback):
+    """An infinite gradient (the loss finite) at global step 2."""
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_step == 2:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_non_finite_gradient_with_a_finite_loss_is_caught_when_the_norm_is_checked(check: bool) -> None:
+    seed_everything(0, verbose=False)
+    health = NumericalHealth("skip", check_grad_norm=check)
+    trainer = quiet_trainer(max_steps=4, strategy=HybridParallelStrategy(), callbacks=[InfGradAt(), health])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    # Unchecked, the infinite gradient is applied, and the next step's loss is NaN.
+    expected = (2, "non-finite gradient norm (inf)") if check else (3, "non-finite loss (nan)")
+    assert [e[:2] for e in health.events] == [expected]
+    assert trainer.precision_plugin.stats_every_step is False  # put back when the fit ended

@@ -181,9 +181,12 @@ class MixedPrecision(Precision):
         self.log_grad_norm = log_grad_norm
         self.log_nonfinite = log_nonfinite
         self._skipped = 0  # bf16/fp32 with nonfinite_grads="skip"; fp16 counts in its scaler
-        self.step_checks: list[Callable[[Any, GradientStats], bool]] = []
+        self.step_checks: list[Callable[[Any, GradientStats | None], bool]] = []
         """``check(loss, stats) -> skip``, asked on every rank (identically) before each step the plugin
-        would take; any ``True`` skips it like an overflow (``NumericalHealth`` registers one)."""
+        would take; any ``True`` skips it like an overflow (``NumericalHealth`` registers one). ``stats``
+        is ``None`` on steps that compute no gradient statistics (no clipping, logging or check needs
+        them) unless ``stats_every_step``."""
+        self.stats_every_step = False
         self.last_step_skipped = False
         self.gradient_scope = GradientScope()
         """How this rank's gradients make up the model's (``HybridParallelStrategy`` sets it from its mesh)."""
@@ -296,7 +299,7 @@ class MixedPrecision(Precision):
         return self._stats
 
     def _needs_stats(self, logging: bool = True) -> bool:
-        return (self.scaler is not None or self.nonfinite_grads != "ignore" or bool(self.step_checks)
+        return (self.scaler is not None or self.nonfinite_grads != "ignore" or self.stats_every_step
                 or (self.log_grad_norm and logging))  # fmt: skip
 
     @override
@@ -329,7 +332,7 @@ class MixedPrecision(Precision):
             return optimizer.step(**kwargs)
         self._unscale(optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
-        step = True
+        step, stats = True, None
         # Metrics are logged when the loggers write (every log_every_n_steps): a log call costs more
         # than the scaler's own work on small models.
         connector = getattr(model.trainer, "_logger_connector", None)
@@ -337,11 +340,11 @@ class MixedPrecision(Precision):
         if self._needs_stats(logging) or self._stats is not None:
             stats = self.gradient_stats(optimizer)
             step = self._decide(stats, model, optimizer)
-            if step and self.step_checks:
-                # Every check runs (each may keep statistics), on every rank alike.
-                step = not any([check(result, stats) for check in self.step_checks])
             if logging:
                 self._log(model, stats)
+        if step and self.step_checks:
+            # Every check runs (each may keep statistics), on every rank alike.
+            step = not any([check(result, stats) for check in self.step_checks])
         self.last_step_skipped = not step
         hold_lr_schedulers_after_skipped_steps(model.trainer, lambda: self.last_step_skipped)
         return optimizer.step(**kwargs) if step else result
