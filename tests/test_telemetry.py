@@ -190,7 +190,21 @@ def _stack_facts(world: int) -> tuple[str, float | None]:
     return record.facts.source, record.facts.flops_per_token(SEQ)
 
 
+def _cost_on_two(world: int) -> dict[str, float]:
+    """CostMonitor on 2 processes with a clock that advances 900 s at every reading."""
+    real, telemetry.clock = telemetry.clock, FakeClock(900.0)  # this worker, this case only
+    try:
+        seed_everything(0, verbose=False)
+        trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
+                                callbacks=[CostMonitor(price_per_device_hour=3.0)])  # fmt: skip
+        trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    finally:
+        telemetry.clock = real
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("cost/")}
+
+
 CASES_2: dict[str, Any] = {
+    "cost": _cost_on_two,
     "pp2": lambda w: _facts_at(w, data_parallel=1, pipeline_parallel=2),
     "stack-pp2": _stack_facts,
     "tp2": lambda w: _facts_at(w, data_parallel=1, tensor_parallel=2),
@@ -369,6 +383,13 @@ def test_one_hour_on_eight_devices_costs_eight_device_hours() -> None:
     meter.advance(seconds=3600.0, devices=8, tokens=0, joules=7.2e6)
     assert meter.metrics(steps_done=0, max_steps=None, devices=8, seconds_per_step=None,
                          grid_kg_co2_per_kwh=0.5)["energy/co2_kg"] == pytest.approx(1.0)  # fmt: skip
+
+
+def test_cost_counts_every_device(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        # Readings at fit start, at the logging steps 2 and 4 and at the end: 2700 s on 2 devices at $3/h.
+        assert rank["cost"]["cost/usd"] == pytest.approx(2700 / 3600 * 2 * 3.0)
+        assert rank["cost"]["cost/usd_per_1m_tokens"] == pytest.approx(rank["cost"]["cost/usd"] / (4 * BATCH * SEQ) * 1e6)
 
 
 def test_prices_have_dates_and_sources_and_pricing_is_checked() -> None:
