@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import socket
+import sys
 import time
 import warnings
 from typing import Any
@@ -239,8 +240,9 @@ def test_the_measured_bubble_falls_with_microbatches_and_is_near_the_prediction(
         stages = sum(metrics[f"pipeline/stage{k}/{part}"] for k in (0, 1) for part in ("compute", "idle")) / 2
         bubble = metrics["pipeline/bubble_measured"]
         assert metrics["train/step_time/bubble"] == pytest.approx(bubble * stages, rel=1e-6)
-        parts = ("data", "compute", "optimizer", "checkpoint", "bubble")
+        parts = ("data", "compute", "comm", "optimizer", "checkpoint", "bubble")
         assert metrics["train/step_time/total"] == pytest.approx(sum(metrics[f"train/step_time/{p}"] for p in parts))
+        assert metrics["train/step_time/comm"] > 0  # the pipeline's loss broadcast, timed
     assert two[0]["bubble-m8"] == two[1]["bubble-m8"]  # every rank logs the same figures
 
 
@@ -357,12 +359,13 @@ def test_step_time_parts_and_the_checkpoint_interval_from_timed_saves(tmp_path: 
     advisor = CheckpointIntervalAdvisor(mtbf_hours=24)
     logged = _fit([StepTimeBreakdown(), advisor, save], steps=4, enable_checkpointing=True)
     last = logged.steps[-1]
-    parts = [last[f"train/step_time/{p}"] for p in ("data", "compute", "optimizer", "checkpoint")]
+    parts = [last[f"train/step_time/{p}"] for p in ("data", "compute", "comm", "optimizer", "checkpoint")]
     assert all(p >= 0 for p in parts) and last["train/step_time/compute"] > 0
     # ModelCheckpoint saves after the other callbacks' batch end: step 2's save is in step 3's figures.
     assert logged.steps[2]["train/step_time/checkpoint"] > 0 and logged.steps[1]["train/step_time/checkpoint"] == 0
     assert last["train/step_time/total"] == pytest.approx(sum(parts))
-    assert "pipeline/bubble_measured" not in last
+    assert "pipeline/bubble_measured" not in last and last["train/step_time/comm"] == 0  # one process: none
+    assert torch.distributed.all_reduce.__name__ == "all_reduce"  # the timing wrappers are gone after the fit
     cost = last["checkpoint/save_s"]
     assert cost > 0 and last["checkpoint/interval_daly_s"] == pytest.approx(daly_interval(cost, 24 * 3600))
     assert last["checkpoint/interval_daly_steps"] > 0
@@ -536,3 +539,20 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_caught_when_the_norm_is_che
     expected = (2, "non-finite gradient norm (inf)") if check else (3, "non-finite loss (nan)")
     assert [e[:2] for e in health.events] == [expected]
     assert trainer.precision_plugin.stats_every_step is False  # put back when the fit ended
+
+
+def test_energy_comes_from_nvml_counters_and_is_absent_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML and a GPU do not exist here: a stand-in module with NVML's three calls (its counter in mJ)."""
+    from lightning_scale.callbacks.cost import _Energy
+
+    readings = iter([1_000_000.0, 4_600_000.0, 8_200_000.0])  # mJ since the driver loaded
+    fake = type(sys)("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: next(readings)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    energy = _Energy(torch.device("cuda", 1))
+    assert energy.available and energy.take() == pytest.approx(3600.0) and energy.take() == pytest.approx(3600.0)
+    assert not _Energy(torch.device("cpu")).available and _Energy(torch.device("cpu")).take() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert not _Energy(torch.device("cuda", 0)).available

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_scale.core.model_facts import ModelFacts, batch_shape
 
-__all__ = ["TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved",
+__all__ = ["TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective",
            "publish", "reduce_sum", "replicas", "should_log"]
 
 clock: Callable[[], float] = time.perf_counter
@@ -52,10 +52,13 @@ def on_checkpoint_saved(trainer: Trainer, listener: Callable[[float], None]) -> 
         save = trainer.save_checkpoint
 
         def timed_save(*args: Any, **kwargs: Any) -> Any:
+            global _saving
             begin = clock()
+            _saving += 1
             try:
                 return save(*args, **kwargs)
             finally:
+                _saving -= 1
                 spent = clock() - begin
                 for listener_ in list(listeners):
                     listener_(spent)
@@ -88,6 +91,57 @@ class TimedCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._run_cleanups()
+
+
+_saving = 0  # saves in progress: their collectives are checkpoint time, not communication
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "gather", "scatter", "barrier", "all_gather_object", "broadcast_object_list")
+_collective_listeners: list[Callable[[float], None]] = []
+_originals: dict[str, Any] = {}
+_depth = 0
+
+
+def on_collective(listener: Callable[[float], None]) -> Callable[[], None]:
+    """Call ``listener(seconds)`` after each synchronous ``torch.distributed`` collective called from
+    Python (``dist.all_reduce(...)`` and the others in :data:`COLLECTIVES`, outside checkpoint saves;
+    one inside another counts once); returns the remover. Calls with ``async_op=True`` return before
+    the transfer and are not timed, nor are collectives issued from C++ (DDP's bucketed all-reduces)
+    or through functional collectives (DTensor): those overlap with compute and stay in it. The
+    functions are wrapped while any listener is registered."""
+    if not _collective_listeners:
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            _originals[name] = original
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                global _depth
+                if kwargs.get("async_op") or _depth:
+                    return _original(*args, **kwargs)
+                _depth += 1
+                begin = clock()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    _depth -= 1
+                    if not _saving:
+                        spent = clock() - begin
+                        for listener_ in list(_collective_listeners):
+                            listener_(spent)
+
+            setattr(dist, name, timed)
+    _collective_listeners.append(listener)
+
+    def remove() -> None:
+        if listener in _collective_listeners:
+            _collective_listeners.remove(listener)
+        if not _collective_listeners:
+            for name, original in _originals.items():
+                setattr(dist, name, original)
+            _originals.clear()
+
+    return remove
 
 
 def replicas(trainer: Trainer) -> int:

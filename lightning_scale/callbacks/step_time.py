@@ -13,11 +13,11 @@ from lightning_scale.core.pipeline_timing import TimerReader
 
 __all__ = ["StepTimeBreakdown"]
 
-_PARTS = ("data", "compute", "optimizer", "checkpoint")
+_PARTS = ("data", "compute", "comm", "optimizer", "checkpoint")
 
 
 class StepTimeBreakdown(telemetry.TimedCallback):
-    """Log ``train/step_time/{data,compute,optimizer,checkpoint,total}`` (seconds per optimizer step,
+    """Log ``train/step_time/{data,compute,comm,optimizer,checkpoint,total}`` (seconds per optimizer step,
     averaged over the processes and the steps since the last logging step) and, under pipeline
     parallelism, ``train/step_time/bubble``, ``pipeline/bubble_measured`` next to
     ``pipeline/bubble_predicted`` and ``pipeline/stage{k}/{compute,idle}`` per stage.
@@ -26,7 +26,12 @@ class StepTimeBreakdown(telemetry.TimedCallback):
       checkpointing in between;
     - ``compute``: forward and backward (with the gradient reductions overlapped with them), from
       the batch's start to ``on_before_optimizer_step``; under a pipeline, the stages' own compute;
-    - ``optimizer``: from there to the batch's end: clipping, the gradient-norm reduction, the step;
+    - ``comm``: synchronous ``torch.distributed`` collectives called from Python during the steps
+      (the gradient-norm and loss reductions, the pipeline's loss broadcast, tied-weight sums),
+      taken out of the span they fell in. DDP's bucketed all-reduces (C++), FSDP2's asynchronous
+      gathers and DTensor's functional collectives overlap with compute and are not separable
+      here: they stay in ``compute`` (:func:`lightning_scale.callbacks._telemetry.on_collective`);
+    - ``optimizer``: from there to the batch's end: clipping, the update;
     - ``checkpoint``: the time ``trainer.save_checkpoint`` blocks (for an async save, its staging);
     - ``bubble``: the pipeline schedule's time not spent in this rank's stages (``forward_one_chunk``,
       ``backward_one_chunk``, ``backward_weight_one_chunk``, timed inside the schedule): the
@@ -44,7 +49,7 @@ class StepTimeBreakdown(telemetry.TimedCallback):
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_PARTS, 0.0)
         self._steps = 0
-        self._ckpt_pending = 0.0  # checkpoint time since the last mark, taken out of the span it fell in
+        self._pending = 0.0  # checkpoint and communication time since the last mark, out of the span it fell in
         self._mark: float | None = None
         self._optimizer_at: float | None = None
 
@@ -56,25 +61,31 @@ class StepTimeBreakdown(telemetry.TimedCallback):
         self._reset()
         self._pipeline = getattr(trainer.strategy, "pipeline", None)
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, self._saved))
+        self._cleanups.append(telemetry.on_collective(self._communicated))
         self._timer = TimerReader(self._pipeline.timer) if self._pipeline is not None else None
 
     def _saved(self, seconds: float) -> None:
         self._sums["checkpoint"] += seconds
-        self._ckpt_pending += seconds
+        self._pending += seconds
+
+    def _communicated(self, seconds: float) -> None:
+        if self._mark is not None:  # within training steps only
+            self._sums["comm"] += seconds
+            self._pending += seconds
 
     # ------------------------------------------------------------------ spans
 
     def _close(self, part: str, now: float) -> None:
         assert self._mark is not None
-        self._sums[part] += max(0.0, now - self._mark - self._ckpt_pending)
-        self._ckpt_pending = 0.0
+        self._sums[part] += max(0.0, now - self._mark - self._pending)
+        self._pending = 0.0
         self._mark = now
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         now = self._clock.now()
         if self._mark is None:
-            self._mark, self._ckpt_pending = now, 0.0
+            self._mark, self._pending = now, 0.0
         else:
             self._close("data", now)
 
