@@ -46,7 +46,7 @@ class _Energy:
         if self._handle is None:
             return None
         now = self._read()
-        used, self._last = now - (self._last or now), now
+        used, self._last = (now - self._last if self._last is not None else 0.0), now
         return used
 
 
