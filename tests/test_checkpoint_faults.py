@@ -25,14 +25,14 @@ SCRIPT = ROOT / "tests" / "scripts" / "elastic_run.py"
 STEPS = 120  # enough that 10 kills, each after 1-3 new checkpoints, all land before the run ends
 
 
-def _torchrun(out: Path, layout: str, restarts: int) -> subprocess.Popen:
+def _torchrun(out: Path, layout: str, restarts: int, checkpoints: bool = True) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--max-restarts", str(restarts), "--monitor-interval", "0.1",
-        str(SCRIPT), str(out), layout, str(STEPS),
+        str(SCRIPT), str(out), layout, str(STEPS), *([] if checkpoints else ["--no-checkpoints"]),
     ]  # fmt: skip
     return subprocess.Popen(command, env=env, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
 
@@ -65,7 +65,8 @@ def _committed(out: Path) -> set[str]:
 
 def _run_with_kills(out: Path, layout: str, kills: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
-    proc = _torchrun(out, layout, restarts=kills + 2)
+    # The uninterrupted reference saves nothing: saving must not change training either.
+    proc = _torchrun(out, layout, restarts=kills + 2, checkpoints=kills > 0)
     deadline = time.monotonic() + 600
     killed: list[dict[str, Any]] = []
     try:

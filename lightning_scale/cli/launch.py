@@ -77,9 +77,25 @@ def _log_suffix() -> str:
     return f".rank{rank}" if rank else ""
 
 
+def _multiply(*values: float) -> float:
+    product: float = 1
+    for value in values:
+        product *= value
+    return product
+
+
 def register_resolvers() -> None:
-    """Register ``${ls_run_name:}`` and ``${ls_log_suffix:}`` (idempotent)."""
-    if not OmegaConf.has_resolver("ls_run_name"):
-        OmegaConf.register_new_resolver("ls_run_name", run_name)
-    if not OmegaConf.has_resolver("ls_log_suffix"):
-        OmegaConf.register_new_resolver("ls_log_suffix", _log_suffix)
+    """Register the config's resolvers (idempotent): ``${ls_run_name:}``, ``${ls_log_suffix:}``,
+    ``${ls_study:}`` (``sweep.study_name``), ``${ls_wandb_offline:}`` and ``${ls_mul:a,b}``."""
+    from lightning_scale.cli import sweep
+
+    resolvers = {
+        "ls_run_name": (run_name, False),
+        "ls_log_suffix": (_log_suffix, False),
+        "ls_study": (sweep.study_name, True),  # cached: every job of a sweep gets the sweep's name
+        "ls_wandb_offline": (sweep.wandb_offline, False),
+        "ls_mul": (_multiply, False),
+    }
+    for name, (function, cached) in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, function, use_cache=cached)

@@ -28,12 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
+from lightning_scale.cli.results import job_results, log_config, peak_memory
 from lightning_scale.models import GPT, GPTConfig
 
-__all__ = ["RESOLVED_CONFIG_ENV", "build", "main", "planned_data_parallel_size", "run"]
+__all__ = ["RESOLVED_CONFIG_ENV", "LayoutNotAdmitted", "build", "main", "planned_data_parallel_size", "preflight", "run"]
 
 RESOLVED_CONFIG_ENV = "LIGHTNING_SCALE_RESOLVED_CONFIG"
 SUMMARY_FILE = "summary.json"
+RESULTS_FILE = "results.json"
 
 
 def _device_count(devices: Any, accelerator: str) -> int:
@@ -93,17 +95,28 @@ def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class _ValidationRecord(Callback):
-    """Remembers the last validation loss of the fit and the step it was taken at."""
+    """The fit's loss curves (training loss at logging steps, every validation loss) and the last
+    validation loss with the step it was taken at."""
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.loss: float | None = None
+        self.val_curve: list[tuple[int, float]] = []
+        self.train_curve: list[tuple[int, float]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None and step % max(trainer.log_every_n_steps, 1) == 0 and (not self.train_curve or self.train_curve[-1][0] != step):
+            self.train_curve.append((step, float(loss)))
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
             self.step = trainer.global_step
             self.loss = float(trainer.callback_metrics["val/loss"])
+            self.val_curve.append((self.step, self.loss))
 
 
 def _checkpoint_path(cfg: DictConfig) -> str | None:
@@ -120,8 +133,8 @@ def _checkpoint_path(cfg: DictConfig) -> str | None:
     return str(path)
 
 
-def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRecord]:
-    """Instantiate (module, datamodule, trainer) after checking everything checkable up front.
+def preflight(cfg: DictConfig) -> tuple[Any, Any]:
+    """Check everything checkable from the config alone; returns (model config, datamodule).
 
     Raises ``ValueError`` for bad input before any process group or child process exists.
     """
@@ -140,7 +153,43 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRe
             f"The data has token ids up to {datamodule.vocab_size - 1} but model.vocab_size="
             f"{model_config.vocab_size}. Set model.vocab_size>={datamodule.vocab_size}."
         )
+    strategy = cfg.get("strategy") or {}
+    if str(strategy.get("_target_", "")).endswith("HybridParallelStrategy") and isinstance(model_config, GPTConfig):
+        _check_gpt_layout(model_config, strategy)
+    return model_config, datamodule
 
+
+class LayoutNotAdmitted(ValueError):
+    """The model cannot be cut this way (a sweep skips such a job rather than failing it)."""
+
+
+def _check_gpt_layout(config: GPTConfig, strategy: Any) -> None:
+    """The reference GPT's limits on the layout: whole heads per tensor-parallel rank, a block per stage."""
+    from lightning_scale.core.checks import divisors
+
+    tp, pp = strategy.get("tensor_parallel", 1), strategy.get("pipeline_parallel", 1)
+    if isinstance(tp, int) and tp > 1:
+        kv = config.n_kv_heads or config.n_heads
+        if config.n_heads % tp or kv % tp:
+            raise LayoutNotAdmitted(
+                f"tensor_parallel={tp} does not divide the model's n_heads={config.n_heads} (n_kv_heads={kv}): each "
+                f"tensor-parallel rank needs whole heads. Use tensor_parallel in {divisors(kv)}."
+            )
+    if isinstance(pp, int) and pp > 1:
+        from lightning_scale.core.partition import stages_per_rank
+
+        stages = pp * stages_per_rank(str(strategy.get("schedule", "1f1b")), int(strategy.get("virtual_stages", 2)))
+        if stages > config.n_layers:
+            raise LayoutNotAdmitted(
+                f"pipeline_parallel={pp} needs {stages} pipeline stages but the model has n_layers={config.n_layers} "
+                f"blocks. Use pipeline_parallel<={config.n_layers} or a deeper model."
+            )
+
+
+def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRecord]:
+    """Instantiate (module, datamodule, trainer) after checking everything checkable up front
+    (:func:`preflight`)."""
+    model_config, datamodule = preflight(cfg)
     seed_everything(int(cfg.seed), workers=True, verbose=False)
     module = _instantiate(cfg.module, model_config)
     record = _ValidationRecord()
@@ -180,7 +229,7 @@ def _finish_wandb(trainer: Trainer) -> None:
 
 
 _SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
-                    "cost/usd", "cost/usd_per_1m_tokens", "energy/kwh")
+                    "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
 
 
 def _num_parameters(module: LightningModule) -> int:
@@ -204,6 +253,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}",
             flush=True,
         )
+    log_config(trainer, cfg)
     summary: dict[str, Any] = {}
     ckpt_path = _checkpoint_path(cfg)
     if cfg.validate_before_fit:
@@ -227,30 +277,59 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for key in _SUMMARY_METRICS:  # the telemetry callbacks' last values
         if key in trainer.callback_metrics:
             summary[key] = float(trainer.callback_metrics[key])
+    peaks = peak_memory(trainer)  # a collective: every rank
     _finish_wandb(trainer)
     if trainer.is_global_zero:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         print("summary: " + json.dumps(summary), flush=True)
+        results = job_results(cfg, summary, record, trainer, datamodule, peaks)
+        (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
     return summary
+
+
+def _job_info(cfg: DictConfig) -> dict[str, Any]:
+    """This run's place in its study: job number, its own overrides, the group choices."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    choices = hydra_cfg.runtime.choices
+    return {
+        "study": cfg.get("study"),
+        "num": hydra_cfg.job.get("num") if hydra_cfg.mode == RunMode.MULTIRUN else None,
+        "multirun": hydra_cfg.mode == RunMode.MULTIRUN,
+        "overrides": [o for o in hydra_cfg.overrides.task if not o.startswith(("hydra.", "hydra/"))],
+        "strategy_choice": choices.get("strategy"),
+        "precision_choice": choices.get("precision"),
+        "experiment": choices.get("experiment"),
+    }
 
 
 def _hydra_entry() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
+    from lightning_scale.cli import sweep
+
     @hydra.main(version_base="1.3", config_path="pkg://lightning_scale.conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
+    def _main(cfg: DictConfig) -> Any:
         run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
         cfg.run_dir = str(run_dir)
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        job = _job_info(resolved)
+        if job["multirun"]:
+            return sweep.run_job(cfg, resolved, job)  # its own processes, never in this one
         run_dir.mkdir(parents=True, exist_ok=True)
+        job["layout"] = sweep.layout_of(resolved, job["strategy_choice"])
+        sweep.prepare_job(resolved, job)
         if global_rank() == 0:
             path = run_dir / "resolved_config.yaml"
             OmegaConf.save(resolved, path)
             if not launched_externally():
                 os.environ[RESOLVED_CONFIG_ENV] = str(path)  # for the children Lightning starts
         run(resolved)
+        return None
 
     if launched_externally() and global_rank() != 0:
         # Rank 0 writes the run's .hydra record; the others would write the same files at once.
@@ -258,18 +337,29 @@ def _hydra_entry() -> None:
     _main()
 
 
-def main() -> None:
-    """Console entry point."""
+def main() -> int:
+    """Console entry point; the exit status is the number of failed jobs of a multirun (0 otherwise)."""
     # Lightning 2.6's pytree helper trips torch>=2.10's LeafSpec deprecation on every batch transfer.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     register_resolvers()
     resolved = os.environ.get(RESOLVED_CONFIG_ENV)
-    if resolved and "LOCAL_RANK" in os.environ:
-        # A child started by Lightning's launcher: the parent resolved the config already.
-        run(cast(DictConfig, OmegaConf.load(resolved)))
-        return
-    _hydra_entry()
+    from lightning_scale.cli import sweep
 
+    if resolved and "LOCAL_RANK" in os.environ:
+        # A rank started by Lightning's launcher, or by torchrun for one job of a multirun: the
+        # config was resolved once already.
+        if os.environ.get(sweep.ORPHAN_WATCH_ENV):
+            sweep.watch_parent()
+        run(cast(DictConfig, OmegaConf.load(resolved)))
+        return 0
+
+    _hydra_entry()
+    return min(sweep.failed_jobs(), 255)
+
+
+# Resolvers at import: a job unpickled in another process (the submitit launchers) resolves its config
+# without running main().
+register_resolvers()
 
 if __name__ == "__main__":
     sys.exit(main())

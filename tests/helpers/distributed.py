@@ -13,6 +13,12 @@ Failure modes it turns into a fast, readable test failure:
   ``PreemptionCheckpoint`` handles during fit) and the error shows the exception and all stacks;
 - a hang: after ``timeout`` seconds every rank's stack is dumped and the processes are killed.
 Process groups are always destroyed, processes always reaped.
+
+Ranks are forked from a ``forkserver`` that imported torch, Lightning and this package once per
+test session: a spawned rank spends ~10 s of CPU importing them (Lightning pulls in torchmetrics,
+transformers and matplotlib), which on a 2-core machine was most of a small test's time. The
+server never runs a torch op (so no OpenMP pool is forked), and each rank gets the parent's
+environment as it is at the call, exactly as a spawned process would.
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ import torch.distributed as dist
 __all__ = ["DistributedTestError", "run_cases", "run_distributed"]
 
 _GRACE_AFTER_ERROR_S = 5.0
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_scale", "lightning_scale.strategies"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts on first use
+    return ctx
 
 
 class DistributedTestError(AssertionError):
@@ -55,6 +68,7 @@ def _worker(
     timeout: float,
     env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the parent's environment now, not the server's at its start
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -101,7 +115,7 @@ def run_distributed(
     ``fn`` and ``args`` must be picklable (a module-level function of a test module).
     Raises :class:`DistributedTestError` on any rank's failure, or after ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     # This process serves the rendezvous store; port 0 lets the OS choose a free port atomically.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
@@ -110,7 +124,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store.port, fn, args, results, stack_files[r], timeout, dict(env or {})),
+                args=(r, world_size, store.port, fn, args, results, stack_files[r], timeout, {**os.environ, **(env or {})}),
                 name=f"rank{r}",
             )
             for r in range(world_size)

@@ -1,7 +1,7 @@
 """A small training run for ``torchrun --max-restarts``: it checkpoints every two steps, resumes by
 itself when relaunched, journals every start, and saves its final state. Used by the kill test.
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 12 tests/scripts/elastic_run.py OUT LAYOUT STEPS
+    torchrun --standalone --nproc-per-node 2 --max-restarts 12 tests/scripts/elastic_run.py OUT LAYOUT STEPS [--no-checkpoints]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Journal(Callback):
         (self.out / "pids" / f"{record['restart']}-{record['rank']}").write_text(str(os.getpid()))
 
 
-def main(out: Path, layout: str, steps: int) -> None:
+def main(out: Path, layout: str, steps: int, checkpoints: bool = True) -> None:
     seed_everything(0, verbose=False)
     trainer = Trainer(
         accelerator="cpu",
@@ -64,10 +64,8 @@ def main(out: Path, layout: str, steps: int) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[
-            Journal(out),
-            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"),
-        ],
+        callbacks=[Journal(out)]
+        + ([ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []),
     )
     config = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
     module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=2)
@@ -77,4 +75,4 @@ def main(out: Path, layout: str, steps: int) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), checkpoints=sys.argv[4:] != ["--no-checkpoints"])

@@ -1,0 +1,123 @@
+"""What a run leaves behind for a study: ``results.json`` (one run, or one job of a sweep), each
+rank's peak memory, and the environment it ran on (logged to wandb at the start)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["environment", "job_results", "log_config", "peak_memory"]
+
+
+def peak_memory(trainer: Trainer) -> list[int]:
+    """Each rank's peak memory in bytes: CUDA's peak allocation on GPUs, the process's peak
+    resident set elsewhere (gathered over all ranks)."""
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [int(peak)]
+    values = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([peak], dtype=torch.int64, device=device))
+    return [int(v.item()) for v in values]
+
+
+def job_results(
+    cfg: DictConfig, summary: dict[str, Any], record: Any, trainer: Trainer, datamodule: Any, peaks: list[int]
+) -> dict[str, Any]:
+    """``results.json``: what a sweep's report compares, for one run or one job of a sweep."""
+    from lightning_scale.cli.sweep import config_fingerprint, layout_of
+
+    job = cast(dict, OmegaConf.to_container(cfg.job, resolve=True)) if cfg.get("job") is not None else {}
+    plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    layout = job.get("layout") or layout_of(plain)
+    vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if k in summary]
+    cost = (cfg.get("callbacks") or {}).get("cost") or {}
+    return {
+        "status": "completed",
+        "study": cfg.get("study"),
+        "job": job.get("num"),
+        "layout": layout["name"],
+        "layout_sizes": layout,
+        "overrides": job.get("overrides", []),
+        "config_fingerprint": job.get("fingerprint") or config_fingerprint(plain),
+        "precision": str(trainer.precision),
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "accelerator": trainer.strategy.root_device.type,
+        "global_batch_size": datamodule.global_batch_size,
+        "seq_len": datamodule.seq_len,
+        "global_step": trainer.global_step,
+        "elapsed_s": summary.get("elapsed_s"),
+        "tokens_per_sec": summary.get("train/tokens_per_sec"),
+        "tokens_per_sec_per_device": summary.get("train/tokens_per_sec_per_device"),
+        "mfu": summary.get("train/mfu"),
+        "usd": summary.get("cost/usd"),
+        "usd_per_1m_tokens": summary.get("cost/usd_per_1m_tokens"),
+        "peak_memory_bytes": max(peaks),
+        "peak_memory_bytes_per_rank": peaks,
+        "peak_memory_kind": "cuda_max_allocated" if trainer.strategy.root_device.type == "cuda" else "host_max_rss",
+        "final_val_loss": summary.get("final_val_loss"),
+        "best_val_loss": min(vals) if vals else None,
+        "final_train_loss": summary.get("final_train_loss"),
+        "target_loss": cost.get("target_loss"),
+        "hours_to_target": summary.get("cost/hours_to_target"),
+        "usd_to_target": summary.get("cost/usd_to_target"),
+        "wandb_run_id": job.get("wandb_run_id"),
+        "resumed_from": job.get("resumed_from"),
+        "metrics": {k: v for k, v in summary.items() if "/" in k},  # the telemetry callbacks' last values, by metric name
+        "curves": {"train/loss": record.train_curve, "val/loss": record.val_curve},
+    }
+
+
+def environment(trainer: Trainer) -> dict[str, Any]:
+    """What a run ran on: package versions, the git commit of the working directory, the hardware."""
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    versions = {}
+    for package in ("lightning-scale", "torch", "lightning", "hydra-core", "wandb", "transformers", "deepspeed"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    device = trainer.strategy.root_device
+    return {
+        "versions": {"python": platform.python_version(), **versions},
+        "git_commit": commit,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "accelerator": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+    }
+
+
+def log_config(trainer: Trainer, cfg: DictConfig) -> None:
+    """The full resolved config and the environment, into every logger at the start (wandb: the run's config)."""
+    if not trainer.loggers:
+        return
+    # Not "config": a LightningModule's saved hyper-parameters often hold a key of that name.
+    params = {"resolved_config": OmegaConf.to_container(cfg, resolve=True), "environment": environment(trainer)}
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_hyperparams(params)

@@ -1,0 +1,444 @@
+"""Scaling studies: `lightning-scale-train -m` over multi-process jobs (basic and submitit_local
+launchers), one wandb run per job, results.json, resumable sweeps, and `lightning-scale-report`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.wandb_files import offline_runs
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException
+
+from lightning_scale.cli import report as report_cli
+from lightning_scale.cli.report import METRICS, PALETTE, build_report
+from lightning_scale.cli.sweep import layout_of
+from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, LayoutNotAdmitted, preflight
+
+SHORT = ["trainer.val_check_interval=5", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=5", "logger=[csv,wandb]"]
+
+
+def _executable(name: str) -> str:
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    assert found, f"{name} is not installed (pip install -e .)"
+    return found
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", RESOLVED_CONFIG_ENV, "WANDB_DIR")}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", LIGHTNING_SCALE_CACHE=str(cache))
+    return env
+
+
+def _sweep(cwd: Path, cache: Path, *args: str, timeout: float = 400, **popen: Any) -> subprocess.CompletedProcess[str]:
+    cwd.mkdir(parents=True, exist_ok=True)
+    command = [_executable("lightning-scale-train"), "-m", *args]
+    return subprocess.run(command, cwd=cwd, env=_env(cache), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _study_dir(cwd: Path) -> Path:
+    studies = [p for p in (cwd / "multirun").iterdir() if p.is_dir()]
+    assert len(studies) == 1, studies
+    return studies[0]
+
+
+def _job_dirs(study: Path) -> list[str]:
+    return sorted((p.name for p in study.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"), key=int)
+
+
+def _results(study: Path) -> dict[str, dict[str, Any]]:
+    return {name: json.loads((study / name / "results.json").read_text()) for name in _job_dirs(study)}
+
+
+def _out(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+# --- the 4-job sweep (2 processes each) with 2 layouts that do not fit -----------------------------
+
+FOUR_JOBS = ["strategy=hybrid", "strategy.tensor_parallel=1,2,4", "strategy.data_parallel_mode=ddp,fsdp", "trainer.max_steps=10",
+             "callbacks.checkpoint=null", *SHORT]
+
+
+@pytest.fixture(scope="module")
+def four_jobs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, Any]:
+    cwd = tmp_path_factory.mktemp("four_jobs")
+    start = time.monotonic()
+    proc = _sweep(cwd, data_cache, *FOUR_JOBS)
+    return {"cwd": cwd, "proc": proc, "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.slow
+def test_each_job_starts_its_processes_once_in_its_own_directory(four_jobs: dict[str, Any]) -> None:
+    proc, cwd = four_jobs["proc"], four_jobs["cwd"]
+    assert proc.returncode == 0, _out(proc)  # skipped jobs are not failures
+    assert proc.stdout.count("Launching 6 jobs locally") + proc.stderr.count("Launching 6 jobs locally") == 1  # no re-run sweep
+    study = _study_dir(cwd)
+    assert not (cwd / "outputs").exists() and not (cwd / "wandb").exists()  # the sweeping process ran nothing itself
+    assert _job_dirs(study) == [str(i) for i in range(6)]
+    results = _results(study)
+    done = {k: r for k, r in results.items() if r["status"] == "completed"}
+    assert len(done) == 4, {k: (r["status"], r.get("reason")) for k, r in results.items()}
+    assert {r["layout"] for r in done.values()} == {"dp2-tp1-pp1", "fsdp2-tp1-pp1", "dp1-tp2-pp1", "fsdp1-tp2-pp1"}
+    for name, r in done.items():
+        job_dir = study / name
+        log = (job_dir / "job.log").read_text()
+        assert log.count("lightning-scale-train: ") == 1, log[-2000:]  # the job trained once, on 2 processes
+        assert r["world_size"] == 2 and r["global_step"] == 10 and r["job"] == int(name)
+        assert r["precision"] == "32-true" and r["global_batch_size"] == 16
+        assert r["tokens_per_sec"] > 0 and r["mfu"] > 0 and len(r["peak_memory_bytes_per_rank"]) == 2
+        assert r["peak_memory_bytes"] == max(r["peak_memory_bytes_per_rank"]) > 10 * 2**20
+        assert r["best_val_loss"] <= r["final_val_loss"] < 5.5  # byte-level loss starts at ln 256
+        assert r["curves"]["val/loss"] and r["curves"]["train/loss"]
+        assert r["resumed_from"] is None
+    # One layout's training equals another's (parity), so the jobs ran their own configs correctly.
+    losses = [r["final_val_loss"] for r in done.values()]
+    assert max(losses) - min(losses) < 1e-3, losses
+
+
+@pytest.mark.slow
+def test_a_layout_that_does_not_fit_is_skipped_with_the_reason(four_jobs: dict[str, Any]) -> None:
+    study = _study_dir(four_jobs["cwd"])
+    skipped = {k: r for k, r in _results(study).items() if r["status"] == "skipped"}
+    assert len(skipped) == 2
+    for name, r in skipped.items():
+        assert "strategy.tensor_parallel=4" in r["overrides"]
+        assert "tensor_parallel=4 = 4 does not divide the 2 processes" in r["reason"]
+        assert not (study / name / "job.log").exists() and not (study / name / "wandb").exists()  # no process started
+    printed = four_jobs["proc"].stdout
+    assert re.search(r"\[sweep\] /\S+: 4 completed, 2 skipped, 0 failed", printed), printed[-2000:]
+    sweep = json.loads((study / "sweep.json").read_text())
+    assert sweep["counts"] == {"completed": 4, "skipped": 2, "failed": 0}
+
+
+@pytest.mark.slow
+def test_one_wandb_run_per_job_with_the_study_as_group_and_the_layout_as_job_type(four_jobs: dict[str, Any]) -> None:
+    study = _study_dir(four_jobs["cwd"])
+    runs = offline_runs(four_jobs["cwd"])
+    assert len(runs) == 4, [r["dir"] for r in runs]  # no extra run: none from the sweeping process or other ranks
+    results = _results(study)
+    for run in runs:
+        job = run["dir"].parent.parent.name
+        assert run["dir"].parent.parent.parent == study
+        assert run["group"] == study.name and run["job_type"] == results[job]["layout"]
+        assert run["id"] == results[job]["wandb_run_id"]
+        config = run["config"]
+        assert config["resolved_config"]["strategy"]["tensor_parallel"] in (1, 2) and config["resolved_config"]["study"] == study.name
+        env = config["environment"]
+        assert env["world_size"] == 2 and "torch" in env["versions"] and "lightning-scale" in env["versions"]
+
+
+@pytest.mark.slow
+def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
+    study = _study_dir(four_jobs["cwd"])
+    out = subprocess.run(
+        [_executable("lightning-scale-report"), str(study), "--rank-by", "tokens_per_sec"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    md = (study / "report" / "report.md").read_text()
+    assert "4 completed, 2 skipped, 0 failed" in md and "does not divide the 2 processes" in md
+    for name in ("throughput_vs_devices", "scaling_efficiency", "mfu_by_layout", "memory_per_device", "loss_curves"):
+        _check_png(study / "report" / "plots" / f"{name}.png")
+
+
+# --- resumable sweeps, and the same sweep through submitit's local executor ------------------------
+
+TWO_JOBS = ["strategy=hybrid", "trainer.max_steps=4,30", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
+
+
+def _committed(job_dir: Path) -> list[Path]:
+    root = job_dir / "checkpoints"
+    return [p for p in root.iterdir() if (p / "manifest.json").is_file()] if root.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, Any]:
+    """The 2-job sweep killed (SIGKILL to its whole process group) once job 1 committed a checkpoint, then run again."""
+    cwd = tmp_path_factory.mktemp("resumed")
+    command = [_executable("lightning-scale-train"), "-m", *TWO_JOBS]
+    with open(cwd / "first.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=_env(data_cache), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                studies = list((cwd / "multirun").glob("*/1"))
+                if studies and _committed(studies[0]):
+                    break
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    study = _study_dir(cwd)
+    before = {
+        "results0": (study / "0" / "results.json").read_bytes(),
+        "results1": (study / "1" / "results.json").exists(),
+        "checkpoints1": [p.name for p in _committed(study / "1")],
+        "first_log": (cwd / "first.log").read_text()[-3000:],
+    }
+    again = _sweep(cwd, data_cache, *TWO_JOBS)
+    return {"cwd": cwd, "study": study, "before": before, "again": again}
+
+
+@pytest.mark.slow
+def test_rerunning_a_killed_sweep_skips_finished_jobs_and_resumes_the_other_in_the_same_wandb_run(
+    resumed: dict[str, Any],
+) -> None:
+    before, again, study = resumed["before"], resumed["again"], resumed["study"]
+    assert before["checkpoints1"] and not before["results1"], before  # killed mid-job, after a checkpoint
+    assert again.returncode == 0, _out(again)
+    assert "job 0 (dp2-tp1-pp1): finished earlier, skipped" in again.stdout
+    assert (study / "0" / "results.json").read_bytes() == before["results0"]  # not re-run
+    r1 = json.loads((study / "1" / "results.json").read_text())
+    assert r1["status"] == "completed" and r1["global_step"] == 30
+    assert r1["resumed_from"] and Path(r1["resumed_from"]).parent == study / "1" / "checkpoints"
+    assert Path(r1["resumed_from"]).name in before["checkpoints1"]
+    assert json.loads((study / "1" / "job.json").read_text())["attempt"] == 1
+    runs0, runs1 = offline_runs(study / "0"), offline_runs(study / "1")
+    assert len(runs0) == 1 and len(runs1) == 2  # the resumed job continued its run: a second offline segment
+    killed, completed = runs1  # by time stamp
+    assert killed["dir_id"] == completed["dir_id"] == completed["id"] == r1["wandb_run_id"] != runs0[0]["id"]
+    assert completed["group"] == study.name and completed["job_type"] == "dp2-tp1-pp1"
+
+
+@pytest.mark.slow
+def test_the_same_sweep_through_submitit_local_gives_the_same_jobs_and_results(
+    resumed: dict[str, Any], tmp_path: Path, data_cache: Path
+) -> None:
+    proc = _sweep(tmp_path, data_cache, "hydra/launcher=submitit_local", *TWO_JOBS)
+    assert proc.returncode == 0, _out(proc)
+    study, reference = _study_dir(tmp_path), resumed["study"]
+    assert study.name == reference.name  # the same command names the same study
+    assert _job_dirs(study) == _job_dirs(reference) == ["0", "1"]
+    ours, theirs = _results(study), _results(reference)
+    for job in ("0", "1"):
+        a, b = ours[job], theirs[job]
+        assert a["status"] == b["status"] == "completed"
+        # The fingerprint writes the job's directory as ${run_dir}: equal though the sweeps ran in different places.
+        for key in ("layout", "global_step", "world_size", "precision", "global_batch_size", "overrides", "config_fingerprint"):
+            assert a[key] == b[key], key
+        # Job 1 of the reference was killed and resumed; both train bitwise alike (fp32, same seed).
+        assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], abs=1e-6)
+        assert len(offline_runs(study / job)) == 1
+
+
+# --- a failing job does not stop the sweep ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_failing_job_does_not_stop_the_sweep_and_the_exit_status_counts_failures(tmp_path: Path, data_cache: Path) -> None:
+    # lr=-1 fails inside the job's processes (the module's check), seq_len=512 before any process starts.
+    proc = _sweep(tmp_path, data_cache, "trainer.devices=1", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+                  "callbacks=none", "logger=none", "module.learning_rate=-1,0.001", "data.seq_len=64,512")  # fmt: skip
+    assert proc.returncode == 3, _out(proc)  # 3 of 4 jobs failed
+    results = _results(_study_dir(tmp_path))
+    status = {(r["overrides"][-2], r["overrides"][-1]): r for r in results.values()}
+    ok = status[("module.learning_rate=0.001", "data.seq_len=64")]
+    assert ok["status"] == "completed" and ok["global_step"] == 2
+    runtime = status[("module.learning_rate=-1", "data.seq_len=64")]
+    assert runtime["status"] == "failed" and runtime["reason"].startswith("exit code")
+    assert "learning_rate must be positive, got -1" in (Path(_study_dir(tmp_path)) / str(runtime["job"]) / "job.log").read_text()
+    for lr in ("-1", "0.001"):
+        early = status[(f"module.learning_rate={lr}", "data.seq_len=512")]
+        assert early["status"] == "failed" and "exceeds the model's context" in early["reason"]
+    assert "1 completed, 0 skipped, 3 failed" in proc.stdout
+
+
+# --- experiment presets -----------------------------------------------------------------------------
+
+
+def _compose(*overrides: str) -> Any:
+    GlobalHydra.instance().clear()
+    with initialize_config_module("lightning_scale.conf", version_base="1.3"):
+        return compose("config", overrides=["run_dir=unused", *overrides], return_hydra_config=True)
+
+
+def _jobs(experiment: str) -> list[tuple[list[str], Any]]:
+    """The jobs a sweep preset expands to: each override list and its composed config."""
+    params = _compose(f"experiment={experiment}").hydra.sweeper.params
+    keys = list(params)
+    grid = itertools.product(*[str(params[k]).split(",") for k in keys])
+    jobs = []
+    for values in grid:
+        overrides = [f"{k}={v}" for k, v in zip(keys, values, strict=True)]
+        jobs.append((overrides, _compose(f"experiment={experiment}", *overrides)))
+    return jobs
+
+
+def _admitted(cfg: Any) -> str | None:
+    """The layout name, or None when the sweep would skip the job."""
+    try:
+        name = layout_of(cfg)["name"]
+        preflight(cfg)
+    except (LayoutNotAdmitted, ValueError):
+        return None
+    return name
+
+
+def test_layout_sweep_covers_every_factorisation_the_model_admits() -> None:
+    jobs = _jobs("layout_sweep")
+    assert all(str(cfg.hydra.mode) == "RunMode.MULTIRUN" for _, cfg in jobs)
+    admitted = sorted(n for n in (_admitted(cfg) for _, cfg in jobs) if n)
+    # 4 processes: every dp x tp x pp with tp, pp in {1, 2, 4}; the tiny model (4 heads, 4 blocks) admits them all.
+    assert admitted == sorted(["dp4-tp1-pp1", "dp2-tp1-pp2", "dp1-tp1-pp4", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp1-tp4-pp1"])
+    assert len(jobs) == 9  # the other 3 are skipped with the reason
+    # A model with 2 heads admits no tensor_parallel=4: that job is skipped, not failed.
+    (_, cfg), = [(o, c) for o, c in _jobs("layout_sweep") if o == ["strategy.tensor_parallel=4", "strategy.pipeline_parallel=1"]]
+    cfg.model.n_heads = 2
+    with pytest.raises(LayoutNotAdmitted, match=r"tensor_parallel=4 does not divide the model's n_heads=2"):
+        preflight(cfg)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "expected"),
+    [
+        ("scaling_strong", [(1, 32), (2, 32), (4, 32)]),  # (devices, global batch): fixed batch
+        ("scaling_weak", [(1, 8), (2, 16), (4, 32)]),  # batch grows with devices
+        ("precision_sweep", [(2, 16)] * 3),
+        ("microbatch_sweep", [(2, 32)] * 3),
+    ],
+)
+def test_sweep_presets_expand_to_their_jobs(experiment: str, expected: list[tuple[int, int]]) -> None:
+    jobs = _jobs(experiment)
+    assert [(cfg.trainer.devices, cfg.data.global_batch_size) for _, cfg in jobs] == expected
+    assert all(_admitted(cfg) for _, cfg in jobs), [o for o, cfg in jobs if not _admitted(cfg)]
+    if experiment == "precision_sweep":
+        assert [cfg.precision.precision for _, cfg in jobs] == ["32-true", "bf16-mixed", "fp16-mixed"]
+    if experiment == "microbatch_sweep":
+        assert [cfg.strategy.microbatches for _, cfg in jobs] == [2, 4, 8]
+
+
+def test_an_unknown_experiment_lists_the_valid_ones() -> None:
+    with pytest.raises(MissingConfigException, match=r"(?s)experiment/scaling_strongest.*layout_sweep.*scaling_strong"):
+        _compose("experiment=scaling_strongest")
+
+
+def test_the_slurm_launcher_preset_sizes_each_allocation_from_the_run() -> None:
+    cfg = _compose("hydra/launcher=slurm", "trainer.devices=8", "trainer.num_nodes=2")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
+
+
+# --- the report, from results a sweep would write -----------------------------------------------------
+
+
+def _fake_sweep(root: Path) -> Path:
+    """Five jobs: data parallel on 1, 2, 4 devices (one 4-device job slower), one skipped, one failed."""
+    study = root / "multirun" / "fake-00000000"
+    rows = [
+        (0, "dp1-tp1-pp1", 1, 1000.0, 0.40, 2.0, 400, 2.50),
+        (1, "dp2-tp1-pp1", 2, 1900.0, 0.38, 2.1, 380, 2.45),
+        (2, "dp4-tp1-pp1", 4, 3500.0, 0.35, 2.3, 360, 2.40),
+        (3, "dp2-tp2-pp1", 4, 2500.0, 0.25, 3.2, 250, 2.41),
+    ]
+    for job, layout, world, rate, mfu, usd, mib, loss in rows:
+        d = study / str(job)
+        d.mkdir(parents=True)
+        overrides = [f"trainer.devices={world}", f"strategy.tensor_parallel={2 if job == 3 else 1}"]
+        doc = {"status": "completed", "study": study.name, "job": job, "layout": layout, "world_size": world,
+               "layout_sizes": {"dp": world // (2 if job == 3 else 1), "tp": 2 if job == 3 else 1, "pp": 1},
+               "overrides": overrides, "precision": "bf16-mixed", "global_batch_size": 32, "tokens_per_sec": rate, "mfu": mfu,
+               "usd_per_1m_tokens": usd, "peak_memory_bytes": mib * 2**20, "final_val_loss": loss, "best_val_loss": loss - 0.01,
+               "curves": {"train/loss": [[s, 5.0 - s / 100 - job / 10] for s in range(0, 201, 50)], "val/loss": [[200, loss]]}}  # fmt: skip
+        (d / "results.json").write_text(json.dumps(doc))
+        (d / "resolved_config.yaml").write_text(
+            "strategy:\n  _target_: lightning_scale.strategies.HybridParallelStrategy\n  data_parallel: auto\n"
+            f"  tensor_parallel: {2 if job == 3 else 1}\n  pipeline_parallel: 1\ntrainer:\n  devices: {world}\n  num_nodes: 1\n"
+        )
+    for job, status, reason in ((4, "skipped", "tensor_parallel=8 does not divide"), (5, "failed", "exit code 1")):
+        (study / str(job)).mkdir()
+        (study / str(job) / "results.json").write_text(json.dumps({"status": status, "job": job, "reason": reason, "overrides": []}))
+    return study
+
+
+def _check_png(path: Path, expected: set[str] | None = None) -> list[dict[str, str]]:
+    """A valid PNG whose ``Series`` chunk names the series, each of which is drawn (its colour is there)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.size[0] > 200 and img.size[1] > 200
+        series = json.loads(img.text["Series"])
+        pixels = img.convert("RGB")
+        colours = {c for _, c in pixels.getcolors(maxcolors=1 << 20)}
+    if expected is not None:
+        assert {s["name"] for s in series} == expected, series
+    for s in series:
+        rgb = tuple(int(s["color"][i : i + 2], 16) for i in (1, 3, 5))
+        assert rgb in colours, (path.name, s)
+    return series
+
+
+def test_the_report_plots_rank_and_ship_everything_it_references(tmp_path: Path) -> None:
+    study = _fake_sweep(tmp_path)
+    report = build_report(study, rank_by="usd_per_1m_tokens")
+    plots = report.directory / "plots"
+    _check_png(plots / "throughput_vs_devices.png", {"measured", "ideal"})
+    _check_png(plots / "scaling_efficiency.png", {"efficiency", "ideal"})
+    for name, key in (("mfu_by_layout", "mfu"), ("usd_per_1m_tokens_by_layout", "usd_per_1m_tokens"), ("memory_per_device", "peak_memory_bytes")):
+        assert _check_png(plots / f"{name}.png") == [{"name": key, "color": PALETTE[0]}]
+    curves = _check_png(plots / "loss_curves.png")
+    assert [s["name"] for s in curves] == ["#0 dp1-tp1-pp1", "#1 dp2-tp1-pp1", "#2 dp4-tp1-pp1", "#3 dp2-tp2-pp1"]
+    # Cheapest first; the skipped and failed jobs are listed apart, with why.
+    assert [j["job"] for j in report.ranking] == [0, 1, 2, 3]
+    md, page = report.markdown.read_text(), report.html.read_text()
+    assert [j["job"] for j in build_report(study, rank_by="tokens_per_sec", out=tmp_path / "r2").ranking] == [2, 3, 1, 0]
+    assert [j["job"] for j in build_report(study, rank_by="peak_memory_bytes", out=tmp_path / "r3").ranking] == [3, 2, 1, 0]
+    rows = [line for line in md.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[2].strip() for r in rows] == ["#0 dp1-tp1-pp1", "#1 dp2-tp1-pp1", "#2 dp4-tp1-pp1", "#3 dp2-tp2-pp1"]
+    assert "skipped**: tensor_parallel=8 does not divide" in md and "failed**: exit code 1" in md
+    for target in re.findall(r"\]\(([^)]+)\)", md):
+        assert (report.directory / target).is_file(), target
+    references = re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]+)""", page)
+    assert len(references) == len(report.plots) == 6 and all(r.startswith("data:image/png;base64,") for r in references)
+
+
+def test_best_writes_a_strategy_config_that_trains_with_that_layout(tmp_path: Path, data_cache: Path) -> None:
+    study = _fake_sweep(tmp_path)
+    report = build_report(study, rank_by="mfu", best=True)
+    assert report.best_config == report.directory / "conf" / "strategy" / "best.yaml"
+    assert "strategy=best" in report.best_command and str(report.directory / "conf") in report.best_command
+    # Passed straight back to the CLI (job 0 won on MFU: one device; the test trains 2 steps with it).
+    command = [*report.best_command.split()[1:], "trainer.max_steps=2", "trainer.limit_val_batches=1", "callbacks=none",
+               "logger=none", f"hydra.run.dir={tmp_path / 'best'}"]  # fmt: skip
+    proc = subprocess.run([_executable("lightning-scale-train"), *command], cwd=tmp_path, env=_env(data_cache),
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, _out(proc)
+    assert "HybridParallelStrategy: dp=1 x pp=1 x tp=1 on 1 processes" in proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "best" / "results.json").read_text())
+    assert results["layout"] == "dp1-tp1-pp1" and results["global_step"] == 2
+
+
+def test_report_bad_input_names_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    study = _fake_sweep(tmp_path)
+    with pytest.raises(ValueError, match=r"--rank-by 'speed' is not a metric.*Valid: tokens_per_sec, .*usd_per_1m_tokens"):
+        build_report(study, rank_by="speed")
+    empty = tmp_path / "empty"
+    (empty / "0").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"No results.json under .*empty: this is not a sweep directory"):
+        build_report(empty)
+    with pytest.raises(ValueError, match=r"nowhere is not a directory"):
+        build_report(tmp_path / "nowhere")
+    assert report_cli.main([str(empty)]) == 2
+    assert "lightning-scale-report: error: No results.json" in capsys.readouterr().err
+    assert not (study / "report").exists()  # rejected before writing anything
+    assert set(METRICS) >= {"tokens_per_sec", "mfu", "usd_per_1m_tokens", "peak_memory_bytes", "final_val_loss"}
+
+
+def test_report_logs_its_table_and_plots_to_a_wandb_run_of_the_study(tmp_path: Path) -> None:
+    study = _fake_sweep(tmp_path)
+    build_report(study, use_wandb=True)
+    (run,) = offline_runs(study / "report")
+    assert run["group"] == study.name and run["job_type"] == "report"
