@@ -123,6 +123,9 @@ def test_every_experiment_runs_under_debug_fast(experiment: str | None, tmp_path
     summary = run(_compose(*overrides))
     assert summary["global_step"] == 2
     assert (tmp_path / "summary.json").is_file()
+    if experiment == "gpt2-124m":  # GPT-2 small at full size (what `model=gpt2-124m` builds) takes a step
+        assert abs(summary["num_parameters"] - 124e6) / 124e6 < 0.01
+        assert summary["final_val_loss"] < summary["initial_val_loss"]
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -150,6 +150,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _own_process() -> bool:
+    """This process was started for this one job (submitit's local or SLURM executor), not the
+    sweeping process that runs every job in turn."""
+    return "SUBMITIT_LOCAL_JOB_ID" in os.environ or "SLURM_JOB_ID" in os.environ
+
+
 def _check_fits(cfg: DictConfig) -> None:
     """``ValueError`` when the job's processes do not fit this machine or launcher (it is skipped)."""
     trainer = cfg.trainer
@@ -332,7 +338,9 @@ def run_job(cfg: DictConfig, resolved: DictConfig, job: dict[str, Any]) -> dict[
             _say(f"{label}: finished earlier, skipped ({run_dir / RESULTS_FILE})")
             return done
         prepare_job(resolved, job)
-        if launched_externally():  # srun started every rank of this job: train here
+        if launched_externally() or (_own_process() and _world_size(resolved) == 1):
+            # srun started every rank of this job, or this process is the job's alone (a submitit
+            # job of one device): train here.
             run(resolved)
             code = 0
         else:
