@@ -178,6 +178,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+    time.sleep(2.0)  # the job's ranks (in sessions of their own) notice within 0.5 s and exit; a save may commit first
     study = _study_dir(cwd)
     before = {
         "results0": (study / "0" / "results.json").read_bytes(),

@@ -47,10 +47,40 @@ _GRACE_AFTER_ERROR_S = 5.0
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_scale", "lightning_scale.strategies"]
 
 
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def _context() -> Any:
+    """The forkserver context, its server started with one thread.
+
+    The server must never hold a thread pool when it forks: numpy's OpenBLAS starts one at import
+    unless told otherwise, and a rank forked from it crashed (SIGSEGV in a BLAS call) on CI. So
+    the server starts with the ``*_NUM_THREADS=1`` a spawned rank also had, and is checked to run
+    a single thread.
+    """
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts on first use
+    ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts
+    saved = {k: os.environ.get(k) for k in _ONE_THREAD}
+    os.environ.update({k: "1" for k in _ONE_THREAD})
+    try:
+        forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return ctx
+
+
+def _server_threads() -> int:
+    """Threads of the running forkserver (1 once its preload finished; it forks ranks from there)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return len(os.listdir(f"/proc/{pid}/task")) if pid and os.path.isdir(f"/proc/{pid}/task") else 1
 
 
 class DistributedTestError(AssertionError):
@@ -84,6 +114,7 @@ def _worker(
     torch.set_num_threads(1)
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV...) leaves its stack too
         try:
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
             dist.init_process_group(
@@ -101,6 +132,7 @@ def _worker(
             if dist.is_initialized():
                 dist.destroy_process_group()
             faulthandler.unregister(signal.SIGUSR2)
+            faulthandler.disable()
 
 
 def run_distributed(
@@ -134,6 +166,9 @@ def run_distributed(
         outcome: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         try:
+            threads = _server_threads()  # the preload finished: the ranks were forked
+            if threads != 1:
+                raise RuntimeError(f"the forkserver runs {threads} threads; a rank forked from it may crash")
             while len(outcome) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
