@@ -113,11 +113,12 @@ def environment(trainer: Trainer) -> dict[str, Any]:
 
 
 def log_config(trainer: Trainer, cfg: DictConfig) -> None:
-    """The full resolved config and the environment, into every logger at the start (wandb: the run's config)."""
-    if not trainer.loggers:
+    """The full resolved config and the environment into the wandb run, at the start, from global
+    rank 0 (the only rank with a run; the environment costs a ``git`` call)."""
+    loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    if not loggers or not trainer.is_global_zero:
         return
     # Not "config": a LightningModule's saved hyper-parameters often hold a key of that name.
     params = {"resolved_config": OmegaConf.to_container(cfg, resolve=True), "environment": environment(trainer)}
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            logger.log_hyperparams(params)
+    for logger in loggers:
+        logger.log_hyperparams(params)

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_scale.cli.launch import global_rank, launched_externally
@@ -185,10 +186,10 @@ def _resumable_checkpoint(cfg: DictConfig) -> tuple[str | None, str | None]:
     found = latest(root)  # sharded checkpoints: the newest that verifies
     if found is not None:
         return str(found.path), found.manifest.get("wandb_run_id")
-    files = sorted(root.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
     last = root / "last.ckpt"
     if last.is_file():
         return str(last), None
+    files = sorted(root.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
     return (str(files[-1]) if files else None), None
 
 
@@ -377,13 +378,7 @@ def failed_jobs() -> int:
     return _FAILED[-1] if _FAILED else 0
 
 
-def _hydra_callback_base() -> type:
-    from hydra.experimental.callback import Callback
-
-    return Callback
-
-
-class SweepSummary(_hydra_callback_base()):  # type: ignore[misc]
+class SweepSummary(Callback):
     """Hydra callback: at the end of a multirun, print one line per job (status, layout, tokens/s
     or the reason), write ``<sweep dir>/sweep.json`` and set the exit status to the failed count."""
 
