@@ -9,9 +9,10 @@ round runs every variant once (the order rotating), into a fresh directory; medi
 
 - disk (the bound): the same bytes written to one file with ``write`` + ``fsync``; read back cold
   (the pages evicted with ``posix_fadvise(DONTNEED)`` first) into a buffer allocated beforehand;
-- ours: ``ShardedCheckpointIO.save_checkpoint`` (DCP shards, JSON state, per-file SHA-256,
-  manifest, fsync, atomic rename) and ``load_checkpoint`` into the live tensors (verification
-  with checksums included), cold;
+  each measured right before or after ours (the order alternating by round);
+- ours: ``ShardedCheckpointIO.save_checkpoint`` (DCP shards, JSON state, per-file CRC-32 — the
+  default checksum — manifest, fsync, atomic rename) and ``load_checkpoint`` into the live
+  tensors (verification with checksums included), cold;
 - torch: ``torch.save`` of the whole checkpoint + fsync, and ``torch.load`` (cold);
 - dcp: plain ``dcp.save`` (``FileSystemWriter(sync_files=True)``, as many threads as ours) and
   ``dcp.load`` (cold; no verification);
@@ -20,8 +21,10 @@ round runs every variant once (the order rotating), into a fresh directory; medi
   ``async_save`` (its default stager, a fresh copy each time) until it returns; and a plain
   memory copy of the same tensors into preallocated buffers.
 
-Ratios: ``save_fraction_of_disk`` = disk write / ours save (target >= 0.8); ``load_fraction_of_disk``
-= cold disk read / ours load (target >= 0.8); ``*_vs_torch``, ``*_vs_dcp`` = ours / peer time;
+Ratios: ``save_fraction_of_disk`` = disk write / ours save (target >= 0.8) and ``load_fraction_of_disk``
+= cold disk read / ours load (target >= 0.8): each pair is measured back to back, the order
+alternating by round, and the figure is the median over pairs of rounds of their geometric mean,
+which cancels the order (``*_by_round`` lists every round's ratio); ``*_vs_torch``, ``*_vs_dcp`` = ours / peer time;
 ``async_block_fraction`` = async return time / ours synchronous save (target <= 0.10);
 ``async_block_vs_memcpy`` (target <= 1.5) and ``dcp_async_block_vs_memcpy``; peak resident-memory
 growth of each save as a fraction of the state's bytes (``*_peak_rss_growth_fraction``).
@@ -32,6 +35,7 @@ Prints ``BENCH checkpoint {json}`` last and writes benchmarks/results/checkpoint
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -139,10 +143,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6, help="an even number: the disk bound goes first in half")
+    parser.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="ShardedCheckpointIO(checksum=...)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=RESULTS / "checkpoint.json")
     args = parser.parse_args()
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error(f"--rounds={args.rounds} must be an even number of at least 2 (each order of ours and the disk bound in half)")
 
     model, checkpoint = _state(args)
     tensors = _tensors(checkpoint)
@@ -152,7 +159,8 @@ def main() -> None:
     into = bytearray(len(blob))  # touched once here, so the read bound pays no page faults
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     template = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}
-    sync_io, async_io = ShardedCheckpointIO(), ShardedCheckpointIO(async_save=True)
+    sync_io = ShardedCheckpointIO(checksum=args.checksum)
+    async_io = ShardedCheckpointIO(async_save=True, checksum=args.checksum)
     times: dict[str, list[float]] = {}
     peaks: dict[str, list[int]] = {}
 
@@ -160,32 +168,31 @@ def main() -> None:
         times.setdefault(name, []).append(seconds)
         peaks.setdefault(name, []).append(peak)
 
-    def disk(i: int) -> None:
-        path = root / f"raw-{i}.bin"
+    def disk_write(i: int) -> None:
+        with open(root / f"raw-{i}.bin", "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
 
-        def write() -> None:
-            with open(path, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-
-        record("disk_write", *_timed(write))
-        _evict(path)
-        def read() -> None:  # into a buffer allocated once: the disk's time, not the allocator's
-            with open(path, "rb", buffering=0) as f:
-                view, done = memoryview(into), 0
-                while n := f.readinto(view[done:]):
-                    done += n
-
-        record("disk_read", *_timed(read))
-        path.unlink()
+    def disk_read(i: int) -> None:  # into a buffer allocated once: the disk's time, not the allocator's
+        with open(root / f"raw-{i}.bin", "rb", buffering=0) as f:
+            view, done = memoryview(into), 0
+            while n := f.readinto(view[done:]):
+                done += n
 
     def ours(i: int) -> None:
-        path = root / f"ours-{i}"
-        record("ours_save", *_timed(lambda: sync_io.save_checkpoint(checkpoint, path)))
-        _evict(path)
-        record("ours_load", *_timed(lambda: sync_io.load_checkpoint(path, template=template)))
+        """Ours and the disk bound back to back (the order alternating): the disk's speed on this VM
+        drifts by up to 2x within minutes, so each round's ratio compares like with like."""
+        path, raw = root / f"ours-{i}", root / f"raw-{i}.bin"
+        pairs = [("disk_write", lambda: disk_write(i)), ("ours_save", lambda: sync_io.save_checkpoint(checkpoint, path))]
+        for name, fn in pairs if i % 2 == 0 else pairs[::-1]:
+            record(name, *_timed(fn))
+        _evict(path), _evict(raw)
+        pairs = [("disk_read", lambda: disk_read(i)), ("ours_load", lambda: sync_io.load_checkpoint(path, template=template))]
+        for name, fn in pairs if i % 2 == 0 else pairs[::-1]:
+            record(name, *_timed(fn))
         shutil.rmtree(path)
+        raw.unlink()
 
     def torch_save(i: int) -> None:
         path = root / f"torch-{i}.pt"
@@ -230,7 +237,7 @@ def main() -> None:
 
         record("memcpy", *_timed(memcpy))
 
-    variants = [disk, ours, torch_save, plain_dcp, asynchronous]
+    variants = [ours, torch_save, plain_dcp, asynchronous]
     asynchronous(-1)  # warm-up: the async buffers, the thread, the first DCP plans
     times.clear(), peaks.clear()
     for i in range(args.rounds):
@@ -242,14 +249,25 @@ def main() -> None:
     med = {name: statistics.median(values) for name, values in times.items()}
     peak = {name: max(values) for name, values in peaks.items()}
     gb = state_bytes / 1e9
+
+    def paired(bound: str, ours: str) -> float:
+        """bound / ours, measured back to back: the median over pairs of rounds (one with the bound
+        first, one with ours first) of the two rounds' geometric mean. On this VM whichever runs
+        second is 1.5-2x slower (the host is still flushing or evicting the first), so a ratio from
+        one order alone measures the order."""
+        ratios = [b / o for b, o in zip(times[bound], times[ours])]
+        return round(statistics.median(math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2])), 3)
     report = {
         "state_bytes": state_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),
         "rounds": args.rounds,
+        "checksum": args.checksum,
         "seconds": {k: round(v, 4) for k, v in med.items()},
         "gb_per_s": {k: round(gb / v, 3) for k, v in med.items() if k != "async_block"},
-        "save_fraction_of_disk": round(med["disk_write"] / med["ours_save"], 3),
-        "load_fraction_of_disk": round(med["disk_read"] / med["ours_load"], 3),
+        "save_fraction_of_disk": paired("disk_write", "ours_save"),
+        "load_fraction_of_disk": paired("disk_read", "ours_load"),
+        "save_fraction_of_disk_by_round": [round(d / o, 3) for d, o in zip(times["disk_write"], times["ours_save"])],
+        "load_fraction_of_disk_by_round": [round(d / o, 3) for d, o in zip(times["disk_read"], times["ours_load"])],
         "save_ratio_vs_torch": round(med["ours_save"] / med["torch_save"], 3),
         "load_ratio_vs_torch": round(med["ours_load"] / med["torch_load"], 3),
         "save_ratio_vs_dcp": round(med["ours_save"] / med["dcp_save"], 3),

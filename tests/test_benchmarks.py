@@ -82,7 +82,7 @@ def test_precision_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 def test_checkpoint_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
         "checkpoint", "checkpoint.py", "--layers", "1", "--d-model", "64", "--heads", "2", "--seq", "16",
-        "--rounds", "1", "--dir", str(tmp_path), out=tmp_path / "checkpoint.json",
+        "--rounds", "2", "--dir", str(tmp_path), out=tmp_path / "checkpoint.json",
     )  # fmt: skip
     for key in ("save_fraction_of_disk", "load_fraction_of_disk", "async_block_fraction", "async_block_vs_memcpy",
                 "save_ratio_vs_torch", "save_ratio_vs_dcp", "dcp_async_block_vs_memcpy"):  # fmt: skip

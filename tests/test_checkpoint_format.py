@@ -27,7 +27,7 @@ from lightning_scale.core.checkpoint_format import (
 )
 
 
-def _save(root: Path, step: int, payload: bytes = b"weights", token: str = "t0") -> Path:
+def _save(root: Path, step: int, payload: bytes = b"weights", token: str = "t0", checksum: str = "crc32") -> Path:
     """What two processes would do: each writes and hashes its shard; one writes the manifest; commit."""
     final = root / checkpoint_name(step)
     staging = staging_dir(final, token)
@@ -36,9 +36,9 @@ def _save(root: Path, step: int, payload: bytes = b"weights", token: str = "t0")
     for rank in range(2):
         shard = staging / f"__{rank}_0.distcp"
         shard.write_bytes(payload * (rank + 1))
-        entries += file_entries(staging, [shard.name])
+        entries += file_entries(staging, [shard.name], checksum=checksum)
     (staging / ".metadata").write_bytes(b"meta")
-    entries += file_entries(staging, [".metadata"])
+    entries += file_entries(staging, [".metadata"], checksum=checksum)
     write_manifest(staging, entries, {"global_step": step, "layout": {"dp": 2, "tp": 1, "pp": 1}})
     return commit(staging, final)
 
@@ -55,7 +55,7 @@ def test_a_committed_checkpoint_verifies_and_lists_its_files(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("damage", "match"),
     [
-        (lambda p: (p / "__1_0.distcp").write_bytes(b"weightsweightX"), r"__1_0.distcp does not match its SHA-256"),
+        (lambda p: (p / "__1_0.distcp").write_bytes(b"weightsweightX"), r"__1_0.distcp does not match its crc32"),
         (lambda p: (p / "__0_0.distcp").write_bytes(b"wei"), r"__0_0.distcp has 3 bytes, the manifest says 7: truncated"),
         (lambda p: (p / "__1_0.distcp").unlink(), r"__1_0.distcp is missing"),
         (lambda p: (p / MANIFEST).unlink(), r"manifest.json is missing: .* is not a \(complete\) checkpoint"),
@@ -68,6 +68,38 @@ def test_verify_names_the_broken_file(tmp_path: Path, damage, match: str) -> Non
     damage(path)
     with pytest.raises(CheckpointCorruptError, match=match):
         verify(path)
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_manifest_entries_name_their_checksum_a_standard_one_any_tool_recomputes(tmp_path: Path, checksum: str) -> None:
+    import hashlib
+    import zlib
+
+    path = _save(tmp_path, 5, payload=bytes(range(256)) * 9, checksum=checksum)
+    entry = next(e for e in verify(path)["files"] if e["path"] == "__1_0.distcp")
+    data = (path / "__1_0.distcp").read_bytes()
+    expected = f"{zlib.crc32(data):08x}" if checksum == "crc32" else hashlib.sha256(data).hexdigest()
+    assert set(entry) == {"path", "bytes", checksum} and entry[checksum] == expected
+    _flip(path / "__1_0.distcp", 1000)
+    with pytest.raises(CheckpointCorruptError, match=rf"__1_0.distcp does not match its {checksum}"):
+        verify(path)
+
+
+def test_a_version_1_manifest_still_verifies_and_a_newer_or_unhashed_one_is_refused(tmp_path: Path) -> None:
+    path = _save(tmp_path, 4, checksum="sha256")
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["format_version"] == 2
+    (path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))  # what earlier releases wrote
+    assert verify(path)["global_step"] == 4
+    (path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(CheckpointCorruptError, match=r"format_version=3; this lightning-scale reads versions \(1, 2\)"):
+        verify(path)
+    manifest["files"][0].pop("sha256")
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorruptError, match=r"lists '\.metadata' without a checksum \(one of \('crc32', 'sha256'\)\)"):
+        verify(path, checksums=False)
+    with pytest.raises(ValueError, match=r"checksum='md5' is not a checksum algorithm lightning-scale writes: choose one of"):
+        file_entries(path, ["__0_0.distcp"], checksum="md5")
 
 
 def test_a_manifest_cannot_point_outside_its_directory(tmp_path: Path) -> None:
@@ -187,13 +219,14 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
         load_sharded(tmp_path / "step-000003", state)
 
 
-def _three_tensors(root: Path) -> tuple[Path, dict]:
+def _three_tensors(root: Path, checksum: str = "crc32") -> tuple[Path, dict]:
     import torch
 
     from lightning_scale.core.sharded_checkpoint import save_sharded
 
     state = {"big": torch.arange(50_000, dtype=torch.float32), "small": torch.ones(4), "mid": torch.randn(3000)}
-    return save_sharded(root / checkpoint_name(1), state, metadata={"global_step": 1}, token="tok"), state
+    path = save_sharded(root / checkpoint_name(1), state, metadata={"global_step": 1}, token="tok", checksum=checksum)
+    return path, state
 
 
 def _flip(file: Path, at: int) -> None:
@@ -202,13 +235,15 @@ def _flip(file: Path, at: int) -> None:
     file.write_bytes(bytes(data))
 
 
-def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp_path: Path, checksum: str) -> None:
     import torch
 
     from lightning_scale.core.shard_reader import ShardReader
     from lightning_scale.core.sharded_checkpoint import load_sharded
 
-    path, state = _three_tensors(tmp_path)
+    path, state = _three_tensors(tmp_path, checksum)
+    assert all(checksum in e for e in verify(path)["files"])
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     assert load_sharded(path, into) == [] and all(torch.equal(into[k], v) for k, v in state.items())
     # Every byte read once: the file the load read whole is the one it hashed.
@@ -221,15 +256,15 @@ def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp
     shard = path / "__0_0.distcp"
     size = shard.stat().st_size
     _flip(shard, size // 2)  # inside a tensor's bytes: decodes fine, the hash says otherwise
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+    with pytest.raises(CheckpointCorruptError, match=rf"__0_0\.distcp does not match its {checksum}"):
         load_sharded(path, {k: torch.zeros_like(v) for k, v in state.items()})
     # A load of one small tensor reads less than half the file; the rest is hashed after.
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+    with pytest.raises(CheckpointCorruptError, match=rf"__0_0\.distcp does not match its {checksum}"):
         load_sharded(path, {"small": torch.zeros(4)})
     _flip(shard, size // 2)
     load_sharded(path, {"small": torch.zeros(4)})  # intact again
     _flip(shard, 10)  # a zip header: decoding fails first, the hash names the file
-    with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp does not match its SHA-256"):
+    with pytest.raises(CheckpointCorruptError, match=rf"__0_0\.distcp does not match its {checksum}"):
         load_sharded(path, {k: torch.zeros_like(v) for k, v in state.items()})
 
 

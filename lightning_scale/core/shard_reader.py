@@ -6,7 +6,7 @@
 - :class:`ShardReader`: DCP's ``read_data`` (one ``torch.load`` per item from a file view, each
   file read once for the items and once more to verify it) redone: each file's items are read in
   offset order with large reads, the next read running while this item is decoded, and every
-  file the rank needs at least half of is read whole and its SHA-256 computed as it streams past,
+  file the rank needs at least half of is read whole and its checksum computed as it streams past,
   so a verified load reads each byte once.
 
 No Lightning, no process group.
@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
-import sys
 import threading
-import zipfile
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +29,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lightning_scale.core.checkpoint_format import MANIFEST, CheckpointCorruptError, StreamHash, thread_pool
+from lightning_scale.core.checkpoint_format import (
+    MANIFEST,
+    CheckpointCorruptError,
+    StreamHash,
+    entry_checksum,
+    thread_pool,
+)
+from lightning_scale.core.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
 from lightning_scale.core.storage import AnyPath, RemotePath, as_path
 
 __all__ = ["SafeFileSystemReader", "ShardReader", "TensorsOnlyLoadPlanner", "dcp_filesystem", "dcp_id"]
@@ -165,7 +169,9 @@ class ShardReader(SafeFileSystemReader):
             by_range.setdefault((info.offset, info.length), []).append(item)
         entry = self.expected.get(relative)
         needed = sum(length for _, length in by_range)
-        digest = StreamHash() if entry is not None and 2 * needed >= int(entry["bytes"]) else None
+        manifest = self.fs.concat_path(self.path, MANIFEST)
+        algorithm, expected = entry_checksum(entry, manifest) if entry is not None else ("", "")
+        digest = StreamHash(algorithm) if entry is not None and 2 * needed >= int(entry["bytes"]) else None
         # (offset, length, the items it holds): with a digest, the gaps between items too, to the end.
         segments: list[tuple[int, int, list[Any]]] = []
         position = 0
@@ -178,11 +184,10 @@ class ShardReader(SafeFileSystemReader):
             segments.append((position, int(entry["bytes"]) - position, []))
         path = self.fs.concat_path(self.path, relative)
         failure: BaseException | None = None
-        # Buffers are reused (one being read, one decoded, one hashed): fresh memory for every item
-        # would cost a page fault per 4 KB, which on some VMs takes longer than the disk.
+        # Buffers are reused once decoded and hashed: fresh memory for every item would cost a page
+        # fault per 4 KB, which on some VMs takes longer than the disk.
         spare: list[bytearray] = []
         lock = threading.Lock()
-        hashing: bytearray | None = None
 
         def take(length: int) -> bytearray:
             with lock:
@@ -199,48 +204,81 @@ class ShardReader(SafeFileSystemReader):
                 with lock:
                     spare.append(buffer)
 
+        def after_both(buffer: bytearray) -> Any:
+            """Gives ``buffer`` back at the second call: once decoded and once hashed."""
+            left = [2]
+
+            def release() -> None:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        spare.append(buffer)
+
+            return release
+
+        # Large tensors a local file holds whole and the destination takes as they are: read
+        # straight into the destination, no buffer, no copy (their bytes are then hashed there).
+        local = isinstance(self.fs, LocalFileSystem)
+        seen: set[int] = set()
+        targets = [_direct_target(held, planner, length, seen) if local else None for _, length, held in segments]
+
         with self.fs.create_stream(path, "rb") as stream:
 
-            def read(offset: int, length: int) -> tuple[bytearray, memoryview]:
+            def read_into(offset: int, view: memoryview) -> memoryview:
                 if stream.tell() != offset:
                     stream.seek(offset)
-                buffer, done = take(length), 0
-                view = memoryview(buffer)[:length]
-                while done < length:
+                done = 0
+                while done < len(view):
                     n = stream.readinto(view[done:])
                     if not n:
                         raise CheckpointCorruptError(f"{path} ends at byte {offset + done}, inside an item: truncated.")
                     done += n
-                return buffer, view
+                return view
 
-            pending = thread_pool("read").submit(read, *segments[0][:2]) if segments else None
+            def read(i: int) -> tuple[bytearray | None, memoryview | None, list[tuple[memoryview, bool]]]:
+                """Segment ``i``: (buffer, its bytes, what to hash in file order, each with whether it
+                is a view of the destination); (None, None, what to hash) when it went straight into
+                its destination."""
+                offset, length, _ = segments[i]
+                if targets[i] is not None:
+                    pieces = _read_direct(lambda at, view: read_into(offset + at, view), length, targets[i])
+                    if pieces is not None:
+                        return None, None, pieces
+                buffer = take(length)
+                view = read_into(offset, memoryview(buffer)[:length])
+                return buffer, view, [(view, False)]
+
+            pending = thread_pool("read").submit(read, 0) if segments else None
             try:
                 for i, (_, _, held) in enumerate(segments):
                     assert pending is not None
-                    buffer, data = pending.result()
-                    pending = thread_pool("read").submit(read, *segments[i + 1][:2]) if i + 1 < len(segments) else None
-                    if digest is not None:
-                        digest.update(data)  # returns once the previous buffer is hashed
-                        give(hashing)
-                        hashing = buffer
+                    buffer, data, pieces = pending.result()
+                    pending = thread_pool("read").submit(read, i + 1) if i + 1 < len(segments) else None
+                    release = after_both(buffer) if buffer is not None and digest is not None else None
+                    if digest is not None:  # hashed on a worker thread, in file order, while we go on
+                        for piece, borrowed in pieces:
+                            digest.update(piece, borrowed=borrowed, done=release if piece is data else None)
                     if held and failure is None:
                         try:
-                            _decode(data, held, planner)
+                            if data is None:
+                                planner.commit_tensor(held[0], targets[i])
+                            else:
+                                _decode(data, held, planner)
                         except Exception as err:  # noqa: BLE001 - a corrupted file explains it, if it is one
                             if digest is None:
                                 raise
                             failure = err
-                    if digest is None:
+                    if release is not None:
+                        release()
+                    else:
                         give(buffer)
             finally:
                 if pending is not None:
                     pending.exception()  # no read may outlive the stream
         if digest is not None:
             self.hashed.append(relative)
-            if digest.hexdigest() != entry.get("sha256"):
-                raise CheckpointCorruptError(
-                    f"{path} does not match its SHA-256 in {self.fs.concat_path(self.path, MANIFEST)}: corrupted."
-                ) from failure
+            if digest.hexdigest() != expected:
+                raise CheckpointCorruptError(f"{path} does not match its {algorithm} in {manifest}: corrupted.") from failure
         if failure is not None:
             raise failure
 
@@ -251,7 +289,7 @@ def _decode(data: memoryview, items: list[Any], planner: LoadPlanner) -> None:
         for item in items:
             planner.load_bytes(item, io.BytesIO(data))
         return
-    stored = _stored_tensor(data)
+    stored = stored_tensor(data)
     if stored is None:
         stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     for item in items:
@@ -266,118 +304,58 @@ def _decode(data: memoryview, items: list[Any], planner: LoadPlanner) -> None:
         planner.commit_tensor(item, target)
 
 
-# ---------------------------------------------------------------------- one torch.save'd tensor, without a copy
-#
-# DCP stores each tensor chunk as a ``torch.save`` archive: an uncompressed zip whose ``data.pkl``
-# rebuilds the tensor from the storage record ``data/0``. ``torch.load`` from bytes copies the
-# storage out; :func:`_stored_tensor` instead reads the zip directory and the pickle (which may
-# name only the rebuild function, a storage class and OrderedDict) and returns a view of the
-# bytes. Anything else (several storages, big-endian data, a layout not contiguous) is left to
-# ``torch.load``.
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
+_DIRECT_MIN = 1 << 20  # smaller items go through a buffer: a seek or two would cost more than the copy
+_HEAD = 4096  # an archive's first bytes, read first: its local headers, the pickle, the tensor's first bytes
 
 
-class _NotPlain(Exception):
-    """The archive is not the one-storage form :func:`_stored_tensor` reads."""
-
-
-class _Storage:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-def _rebuild(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple[Any, int, tuple, tuple]:
-    return storage, offset, tuple(size), tuple(stride)
-
-
-class _TensorPickle(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _Storage(_STORAGE_DTYPES[name])
-        raise _NotPlain(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return pid
-
-
-class _View(io.RawIOBase):
-    """A seekable reader over a buffer handing out small copies: what ``zipfile`` needs for the directory."""
-
-    def __init__(self, buffer: memoryview) -> None:
-        self._buffer, self._pos = buffer, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._buffer) + pos
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._buffer) if size is None or size < 0 else min(self._pos + size, len(self._buffer))
-        out = bytes(self._buffer[self._pos : end])
-        self._pos = max(end, self._pos)
-        return out
-
-
-def _stored_tensor(data: memoryview) -> torch.Tensor | None:
-    """The tensor in a ``torch.save`` archive, viewing ``data`` (None: not the plain form; use torch.load)."""
-    if sys.byteorder != "little":
+def _direct_target(held: list[Any], planner: LoadPlanner, length: int, seen: set[int]) -> torch.Tensor | None:
+    """The destination a stored item can be read into as it is: one whole tensor piece, the
+    destination a contiguous CPU tensor of its shape (dtype checked once the archive is parsed), not
+    another item's destination as well."""
+    if length < _DIRECT_MIN or len(held) != 1 or held[0].type != LoadItemType.TENSOR:
         return None
-    try:
-        with zipfile.ZipFile(_View(memoryview(data))) as archive:
-            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            if set(names) - {"data.pkl", "data/0", "byteorder", "version", ".format_version",
-                             ".storage_alignment", ".data/serialization_id"}:  # fmt: skip
-                return None
-            if "byteorder" in names and archive.read(names["byteorder"]) != b"little":
-                return None
-            storage, offset, size, stride = _TensorPickle(io.BytesIO(archive.read(names["data.pkl"]))).load()
-            record = names["data/0"]
-            if record.compress_type != zipfile.ZIP_STORED:
-                return None
-            local = bytes(data[record.header_offset : record.header_offset + 30])
-            name_and_extra = int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-            start = record.header_offset + 30 + name_and_extra
-    except (_NotPlain, zipfile.BadZipFile, KeyError, ValueError, TypeError, pickle.UnpicklingError, EOFError):
+    item = held[0]
+    if any(int(o) != 0 for o in item.storage_offsets):
         return None
-    if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage" and storage[2] == "0"):
+    target = planner.resolve_tensor(item).detach()
+    if target.device.type != "cpu" or not target.is_contiguous() or tuple(target.shape) != tuple(item.lengths):
         return None
-    dtype = storage[1].dtype
-    numel = 1
-    for n in size:
-        numel *= n
-    contiguous, expected = True, 1
-    for n, s in zip(reversed(size), reversed(stride)):
-        contiguous &= n == 1 or s == expected
-        expected *= n
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if not contiguous or (offset + numel) * itemsize > record.file_size or local[:4] != b"PK\x03\x04":
+    if target.numel() == 0 or target.data_ptr() in seen:
         return None
-    if numel == 0:
-        return torch.empty(size, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, count=numel, offset=start + offset * itemsize).view(size)
+    seen.add(target.data_ptr())
+    return target
+
+
+def _read_direct(read_into: Any, length: int, target: torch.Tensor) -> list[tuple[memoryview, bool]] | None:
+    """Read a ``length``-byte archive front to back (``read_into(offset, view)`` fills ``view`` from
+    there, or raises a truncation error), its tensor's bytes straight into ``target``. Returns the
+    archive's bytes in order, to hash, each with whether it is a view of ``target``. None: not a tensor ``target`` takes as it is, or the central
+    directory (read last) disagrees with the local headers; the caller reads the archive again
+    through a buffer, which overwrites whatever went into ``target``."""
+
+    def read(at: int, n: int) -> memoryview:
+        return read_into(at, memoryview(bytearray(n)))
+
+    head_end = min(_HEAD, length)
+    head = read(0, head_end)
+    found = leading_tensor_range(head, length)
+    if found is None or found.dtype != target.dtype or found.size != tuple(target.shape):
+        return None
+    start, end = found.start, found.start + found.nbytes
+    if start > head_end or found.nbytes != target.numel() * target.element_size():
+        return None
+    into = memoryview(target.view(-1).view(torch.uint8).numpy()).cast("B")
+    pieces = [(head, False)]
+    if start < head_end:  # the head ran into the tensor's first bytes
+        into[: min(end, head_end) - start] = head[start : min(end, head_end)]
+    if end > head_end:
+        pieces.append((read_into(head_end, into[head_end - start :]), True))
+    tail_start = max(end, head_end)
+    tail = read(tail_start, length - tail_start)  # the small records after the tensor, the directory
+    if len(tail):
+        pieces.append((tail, False))
+    whole = memoryview(bytes(head) + bytes(tail)) if tail_start == head_end else None  # a small archive
+    directory = archive_directory(whole if whole is not None else tail, length)
+    if directory is None or tensor_range(whole if whole is not None else head, directory) != found:
+        return None
+    return pieces

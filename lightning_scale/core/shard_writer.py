@@ -5,7 +5,6 @@ manifest needs no second read. No Lightning, no process group.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from contextlib import contextmanager
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_scale.core.checkpoint_format import is_shard_file
+from lightning_scale.core.checkpoint_format import DEFAULT_CHECKSUM, check_checksum, is_shard_file, new_digest
 from lightning_scale.core.shard_reader import dcp_filesystem, dcp_id
 from lightning_scale.core.storage import RemotePath, as_path
 
@@ -24,15 +23,15 @@ class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it, in order (DCP writes each file front to
     back from one thread; a seek makes the digest unusable, and the file is hashed again after)."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner, self._digest, self.size, self.sequential = inner, hashlib.sha256(), 0, True
+    def __init__(self, inner: Any, checksum: str) -> None:
+        self._inner, self._digest, self.size, self.sequential = inner, new_digest(checksum), 0, True
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        # Synchronous: torch.save hands memoryviews of buffers that live only for this call. hashlib
-        # releases the GIL, so the files of several writer threads hash side by side.
+        # Synchronous: torch.save hands memoryviews of buffers that live only for this call. zlib and
+        # hashlib release the GIL, so the files of several writer threads hash side by side.
         view = memoryview(data).cast("B")
         self._digest.update(view)
         written = self._inner.write(view)
@@ -64,10 +63,10 @@ class _HashingStream(io.RawIOBase):
 
 class _HashingFileSystem:
     """DCP's filesystem layer, hashing the shard files it writes: :attr:`digests` maps each file name
-    to its (size, SHA-256), so the manifest needs no second read of what was written."""
+    to its (size, ``checksum`` digest), so the manifest needs no second read of what was written."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
+    def __init__(self, inner: Any, checksum: str) -> None:
+        self._inner, self.checksum = inner, checksum
         self.digests: dict[str, tuple[int, str]] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -80,7 +79,7 @@ class _HashingFileSystem:
             if "w" not in mode or not is_shard_file(name):
                 yield stream
                 return
-            hashing = _HashingStream(stream)
+            hashing = _HashingStream(stream, self.checksum)
             yield hashing
         if hashing.sequential:
             self.digests[name] = (hashing.size, hashing.hexdigest())
@@ -90,17 +89,19 @@ class StagingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` whose :meth:`stage` copies a state dict into host buffers kept from the
     previous save (DCP's cached staging), pinned only where CUDA can pin, rebuilt when the tensors change.
     Each save's path picks DCP's local or fsspec filesystem (``fsync`` locally; an object store's
-    write is durable when it returns); the shard files are hashed as they are written (:attr:`digests`)."""
+    write is durable when it returns); the shard files are hashed as they are written (:attr:`digests`,
+    with the algorithm ``checksum`` names: one of ``CHECKSUMS``)."""
 
-    def __init__(self, *, thread_count: int = 1, cache: bool = True) -> None:
+    def __init__(self, *, thread_count: int = 1, cache: bool = True, checksum: str = DEFAULT_CHECKSUM) -> None:
         super().__init__(".", sync_files=True, thread_count=thread_count, cache_staged_state_dict=cache)
+        self.checksum = check_checksum(checksum)
         self._layout: list[tuple[str, tuple[int, ...], torch.dtype, type]] | None = None
         self.digests: dict[str, tuple[int, str]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
             path = as_path(checkpoint_id)
-            self.fs = _HashingFileSystem(dcp_filesystem(path))
+            self.fs = _HashingFileSystem(dcp_filesystem(path), self.checksum)
             self.digests = self.fs.digests
             self.sync_files = not isinstance(path, RemotePath)
             checkpoint_id = dcp_id(path)

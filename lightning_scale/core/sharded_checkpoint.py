@@ -31,8 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_scale.core.checkpoint_format import (
+    DEFAULT_CHECKSUM,
     MANIFEST,
     CheckpointCorruptError,
+    check_checksum,
     clear_in_place,
     commit,
     file_entries,
@@ -103,11 +105,14 @@ def save_sharded(
     group: dist.ProcessGroup | None = None,
     thread_count: int = 1,
     writer: FileSystemWriter | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> AnyPath:
     """Write ``tensors`` (flat keys; tensors and DTensors, each rank its own part: a key several ranks
     hold as a plain tensor is written once) and this rank's ``files`` (name -> bytes; names unique
     across ranks) as the committed checkpoint directory ``final``. ``token``: the same on every rank.
-    ``writer``: a DCP writer to reuse (its path is reset to the staging directory)."""
+    ``writer``: a DCP writer to reuse (its path is reset to the staging directory). ``checksum``: the
+    manifest's algorithm, one of ``CHECKSUMS`` (a :class:`StagingWriter` hashes with it as it writes)."""
+    checksum = check_checksum(checksum)
     final = as_path(final)
     staging = staging_dir(final, token)
     multi = distributed(group)
@@ -117,7 +122,9 @@ def save_sharded(
         _gather(None, group)  # and nobody writes before it is gone
     staging.mkdir(parents=True, exist_ok=True)
     if writer is None:
-        writer = StagingWriter(thread_count=thread_count, cache=False)
+        writer = StagingWriter(thread_count=thread_count, cache=False, checksum=checksum)
+    elif isinstance(writer, StagingWriter):
+        writer.checksum = checksum
     try:
         dcp.save(
             dict(tensors), checkpoint_id=dcp_id(staging), storage_writer=writer, process_group=group, no_dist=not multi
@@ -133,7 +140,9 @@ def save_sharded(
             rmtree(staging)
         raise
     digests = getattr(writer, "digests", None)
-    return finish_sharded(staging, final, files=files, metadata=metadata, group=group, digests=digests)
+    return finish_sharded(
+        staging, final, files=files, metadata=metadata, group=group, digests=digests, checksum=checksum
+    )
 
 
 def _describe(failure: Any) -> str:
@@ -149,9 +158,10 @@ def finish_sharded(
     metadata: Mapping[str, Any],
     group: dist.ProcessGroup | None,
     digests: Mapping[str, tuple[int, str]] | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> AnyPath:
-    """After DCP wrote ``staging`` on every rank: this rank's own files, the hashes (``digests``: those
-    taken while writing), the manifest and the commit."""
+    """After DCP wrote ``staging`` on every rank: this rank's own files, their ``checksum`` digests
+    (``digests``: those taken while writing), the manifest and the commit."""
     rank = _rank(group)
     result: Any
     try:
@@ -160,7 +170,7 @@ def finish_sharded(
         mine = sorted(p.name for p in staging.glob(f"__{rank}_*")) + list(files or {})
         if rank == 0:
             mine.append(_METADATA)
-        result = file_entries(staging, mine, known=digests)
+        result = file_entries(staging, mine, known=digests, checksum=checksum)
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         result = f"rank {rank}: {type(err).__name__}: {err}"
     everyone = _gather(result, group)
@@ -268,8 +278,8 @@ def load_sharded(
     (``strict``: a ``KeyError`` naming them instead); a shape mismatch is a ``ValueError`` naming the
     key. Either is raised on every rank, before DCP's collectives.
 
-    Verification (``verified=False``): the manifest, every file's size and the small files' SHA-256
-    first; the shard files' SHA-256 as they are read (each byte read once), then those no rank read
+    Verification (``verified=False``): the manifest, every file's size and the small files' checksums
+    first; the shard files' checksums as they are read (each byte read once), then those no rank read
     whole. A corrupted shard is reported after its bytes were loaded: the ``CheckpointCorruptError``
     (on every rank, naming the file) means ``state`` holds garbage. ``verified="files"``: the caller
     checked the manifest and small files (:func:`verify_distributed` with ``shards=False``);
