@@ -86,10 +86,10 @@ def test_manifest_entries_name_their_checksum_a_standard_one_any_tool_recomputes
 
 
 def test_a_version_1_manifest_still_verifies_and_a_newer_or_unhashed_one_is_refused(tmp_path: Path) -> None:
+    assert json.loads((_save(tmp_path / "crc", 4) / MANIFEST).read_text())["format_version"] == 2
     path = _save(tmp_path, 4, checksum="sha256")
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["format_version"] == 2
-    (path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))  # what earlier releases wrote
+    assert manifest["format_version"] == 1  # SHA-256 only: what earlier releases wrote, and read
     assert verify(path)["global_step"] == 4
     (path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
     with pytest.raises(CheckpointCorruptError, match=r"format_version=3; this lightning-scale reads versions \(1, 2\)"):

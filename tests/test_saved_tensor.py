@@ -128,6 +128,67 @@ def test_a_load_reads_tensors_into_their_destinations_and_still_hashes_every_byt
     assert entry["bytes"] == len(data)
 
 
+def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees_the_file(tmp_path: Path, direct_reads) -> None:
+    """Two keys sharing one destination (tied weights): a direct read of one copy could be hashed
+    after the other copy overwrote it, hiding a corrupted copy. Both go through buffers instead."""
+    from lightning_scale.core.sharded_checkpoint import load_sharded, save_sharded
+
+    weight = _value((300, 257), torch.float32, 7)
+    path = save_sharded(tmp_path / checkpoint_name(1), {"a": weight, "b": weight}, metadata={}, token="t")
+    shared = torch.zeros_like(weight)
+    load_sharded(path, {"a": shared, "b": shared})
+    assert torch.equal(shared, weight) and direct_reads == [1, 1]
+    shard = next(iter(sorted(path.glob("__0_*.distcp"))))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 4] ^= 0x01  # inside the first copy
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=rf"{shard.name} does not match its crc32"):
+        load_sharded(path, {"a": shared, "b": shared})
+
+
+def test_an_archive_the_direct_path_cannot_parse_is_read_through_a_buffer(tmp_path: Path, direct_reads, monkeypatch) -> None:
+    from lightning_scale.core.sharded_checkpoint import load_sharded
+
+    def broken(*args: object) -> None:
+        raise TypeError("a pickle of floats")
+
+    monkeypatch.setattr(shard_reader, "leading_tensor_range", broken)
+    path, state = _saved_checkpoint(tmp_path)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    load_sharded(path, into)
+    assert all(torch.equal(into[k], v) for k, v in state.items()) and len(direct_reads) == len(state)
+
+
+def test_a_stream_hash_raises_what_hashing_raised_and_bounds_what_waits() -> None:
+    import threading
+    import zlib
+
+    from lightning_scale.core.checkpoint_format import StreamHash
+
+    chunks = [bytes([i]) * 1000 for i in range(50)]
+    digest = StreamHash("crc32", limit=3000)
+    gate, peak = threading.Event(), []
+    digest.update(b"", done=gate.wait)  # holds the hashing back until the queue is full
+    waiting = threading.Thread(target=lambda: [digest.update(c) for c in chunks])
+    waiting.start()
+    waiting.join(0.3)
+    peak.append(digest._waiting)
+    assert waiting.is_alive() and peak[0] <= 3000  # blocked at the limit, not queueing all 50 KB
+    gate.set()
+    waiting.join(5)
+    assert digest.hexdigest() == f"{zlib.crc32(b''.join(chunks)):08x}"
+
+    def fail() -> None:
+        raise OSError("hash worker failed")
+
+    failing = StreamHash("sha256")
+    failing.update(b"x", done=fail)
+    with pytest.raises(OSError, match="hash worker failed"):
+        failing.hexdigest()
+    with pytest.raises(OSError, match="hash worker failed"):
+        failing.update(b"y")
+
+
 def test_a_destination_sliced_by_rows_is_read_into_in_place(tmp_path: Path, direct_reads) -> None:
     """A resharded load (FSDP's dim-0 shards) reads each saved piece into its rows of the destination."""
     import torch.distributed.checkpoint as dcp

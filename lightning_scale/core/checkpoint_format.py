@@ -166,12 +166,15 @@ class StreamHash:
         self._limit = limit
         self._changed = threading.Condition()
         self._running: Any = None
+        self._error: BaseException | None = None
 
     def update(self, data: bytes | memoryview, *, borrowed: bool = False, done: Callable[[], None] | None = None) -> None:
         counted = 0 if borrowed else len(data)
         with self._changed:
-            while self._waiting and self._waiting + counted > self._limit:
+            while self._error is None and self._waiting and self._waiting + counted > self._limit:
                 self._changed.wait()
+            if self._error is not None:
+                raise self._error
             self._queue.append((data, counted, done))
             self._waiting += counted
             if self._running is None:
@@ -186,20 +189,35 @@ class StreamHash:
                 data, counted, done = self._queue.popleft()
             try:
                 self._digest.update(data)
-            finally:
+                if done is not None:
+                    done()
+            except BaseException as err:  # noqa: BLE001 - raised by the next update() or hexdigest()
                 with self._changed:
-                    self._waiting -= counted
+                    self._error, self._running = err, None
+                    self._queue.clear()
+                    self._waiting = 0
                     self._changed.notify_all()
-            if done is not None:
-                done()
+                return
+            with self._changed:
+                self._waiting -= counted
+                self._changed.notify_all()
+
+    def cancel(self) -> None:
+        """Drop the chunks not hashed yet (the caller gave up on this stream)."""
+        with self._changed:
+            self._queue.clear()
+            self._waiting = 0
+            self._changed.notify_all()
 
     def hexdigest(self) -> str:
         while True:
             with self._changed:
-                running = self._running
+                running, error = self._running, self._error
+            if error is not None:
+                raise error
             if running is None:
                 return self._digest.hexdigest()
-            running.result()  # raises what hashing raised
+            running.result()
 
 
 def is_shard_file(name: str) -> bool:
@@ -275,7 +293,8 @@ def write_manifest(staging: AnyPath, entries: Sequence[Mapping[str, Any]], metad
         duplicated = sorted({p for p in paths if paths.count(p) > 1})
         raise ValueError(f"Two processes listed the same checkpoint files: {duplicated[:5]}.")
     manifest = {
-        "format_version": FORMAT_VERSION,
+        # Only SHA-256 entries: exactly version 1's format, which earlier releases read too.
+        "format_version": FORMAT_VERSION if any("sha256" not in e for e in entries) else 1,
         "created_unix_s": time.time(),
         **dict(metadata),
         "files": sorted((dict(e) for e in entries), key=lambda e: e["path"]),

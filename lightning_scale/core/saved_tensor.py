@@ -148,6 +148,8 @@ def _plain_range(storage: Any, offset: int, size: tuple, stride: tuple, data_sta
     ``data_start`` with ``room`` bytes (None: not one contiguous tensor of storage ``0`` inside them)."""
     if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage" and storage[2] == "0"):
         return None
+    if not all(type(n) is int and n >= 0 for n in (offset, *size, *stride)):  # noqa: E721 - not bools, floats
+        return None
     dtype = storage[1].dtype
     numel, contiguous, expected = 1, True, 1
     for n, s in zip(reversed(size), reversed(stride)):
@@ -178,7 +180,7 @@ def leading_tensor_range(head: memoryview | bytes, length: int) -> TensorRange |
             if name.endswith(b"/data/0") and _u16(head, at + 8) == 0:
                 return _plain_range(storage, offset, size, stride, _record_at(head, at), length - _record_at(head, at))
             at += 4
-    except (_NotPlain, ValueError, TypeError, IndexError, pickle.UnpicklingError, EOFError, AttributeError):
+    except (_NotPlain, ValueError, TypeError, IndexError, pickle.UnpicklingError, EOFError, AttributeError, MemoryError):
         return None
     return None
 
@@ -212,7 +214,7 @@ def tensor_range(head: memoryview | bytes, directory: dict[str, zipfile.ZipInfo]
         storage, offset, size, stride = _TensorPickle(io.BytesIO(bytes(head[start : start + pkl.file_size]))).load()
         record = directory["data/0"]
         data_start = _record_start(head, record)
-    except (_NotPlain, ValueError, TypeError, pickle.UnpicklingError, EOFError, AttributeError):
+    except (_NotPlain, ValueError, TypeError, IndexError, pickle.UnpicklingError, EOFError, AttributeError, MemoryError):
         return None
     return _plain_range(storage, offset, size, stride, data_start, record.file_size)
 

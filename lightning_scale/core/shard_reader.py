@@ -6,8 +6,10 @@
 - :class:`ShardReader`: DCP's ``read_data`` (one ``torch.load`` per item from a file view, each
   file read once for the items and once more to verify it) redone: each file's items are read in
   offset order with large reads, the next read running while this item is decoded, and every
-  file the rank needs at least half of is read whole and its checksum computed as it streams past,
-  so a verified load reads each byte once.
+  file the rank needs at least half of is read whole and its checksum computed as it streams past
+  (on a worker thread, in file order), so a verified load reads each byte once. A large tensor
+  whose destination takes it as stored is read from the file straight into the destination and
+  hashed there: no buffer, no copy.
 
 No Lightning, no process group.
 """
@@ -153,8 +155,11 @@ class ShardReader(SafeFileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        shared = _overlapping(plan.items, planner)
         # Files side by side (DCP writes ``thread_count`` files per rank): their reads and hashes overlap.
-        results = [thread_pool("load").submit(self._read_file, name, items, planner) for name, items in per_file.items()]
+        results = [
+            thread_pool("load").submit(self._read_file, name, items, planner, shared) for name, items in per_file.items()
+        ]
         errors = [e for e in (r.exception() for r in results) if e is not None]  # every file done first
         if errors:
             raise next((e for e in errors if isinstance(e, CheckpointCorruptError)), errors[0])
@@ -162,7 +167,7 @@ class ShardReader(SafeFileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_file(self, relative: str, items: list[Any], planner: LoadPlanner) -> None:
+    def _read_file(self, relative: str, items: list[Any], planner: LoadPlanner, shared: set[int]) -> None:
         by_range: dict[tuple[int, int], list[Any]] = {}
         for item in items:
             info = self.storage_data[item.storage_index]
@@ -219,8 +224,7 @@ class ShardReader(SafeFileSystemReader):
         # Large tensors a local file holds whole and the destination takes as they are: read
         # straight into the destination, no buffer, no copy (their bytes are then hashed there).
         local = isinstance(self.fs, LocalFileSystem)
-        seen: set[int] = set()
-        targets = [_direct_target(held, planner, length, seen) if local else None for _, length, held in segments]
+        targets = [_direct_target(held, planner, length, shared) if local else None for _, length, held in segments]
 
         with self.fs.create_stream(path, "rb") as stream:
 
@@ -241,7 +245,12 @@ class ShardReader(SafeFileSystemReader):
                 its destination."""
                 offset, length, _ = segments[i]
                 if targets[i] is not None:
-                    pieces = _read_direct(lambda at, view: read_into(offset + at, view), length, targets[i])
+                    try:
+                        pieces = _read_direct(lambda at, view: read_into(offset + at, view), length, targets[i])
+                    except CheckpointCorruptError:
+                        raise
+                    except Exception:  # noqa: BLE001 - bytes that do not parse: the buffered path decides
+                        pieces = None
                     if pieces is not None:
                         return None, None, pieces
                 buffer = take(length)
@@ -272,6 +281,10 @@ class ShardReader(SafeFileSystemReader):
                         release()
                     else:
                         give(buffer)
+            except BaseException:
+                if digest is not None:
+                    digest.cancel()  # nothing left to check: stop hashing
+                raise
             finally:
                 if pending is not None:
                     pending.exception()  # no read may outlive the stream
@@ -308,11 +321,36 @@ _DIRECT_MIN = 1 << 20  # smaller items go through a buffer: a seek or two would 
 _HEAD = 4096  # an archive's first bytes, read first: its local headers, the pickle, the tensor's first bytes
 
 
-def _direct_target(held: list[Any], planner: LoadPlanner, length: int, seen: set[int]) -> torch.Tensor | None:
+def _overlapping(items: list[Any], planner: LoadPlanner) -> set[int]:
+    """``id``s of the tensor items whose destination memory overlaps another item's (tied weights, one
+    tensor under two names): never read into directly, where one copy's bytes could be hashed after
+    the other copy overwrote them."""
+    spans = []
+    for item in items:
+        if item.type != LoadItemType.TENSOR:
+            continue
+        target = planner.resolve_tensor(item).detach()
+        if target.device.type != "cpu" or target.numel() == 0:
+            continue
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(target.shape, target.stride()))
+        start = target.data_ptr()
+        spans.append((start, start + extent * target.element_size(), id(item)))
+    spans.sort()
+    shared: set[int] = set()
+    reach, owner = -1, -1
+    for start, end, key in spans:
+        if start < reach:
+            shared.update((key, owner))
+        if end > reach:
+            reach, owner = end, key
+    return shared
+
+
+def _direct_target(held: list[Any], planner: LoadPlanner, length: int, shared: set[int]) -> torch.Tensor | None:
     """The destination a stored item can be read into as it is: one whole tensor piece, the
-    destination a contiguous CPU tensor of its shape (dtype checked once the archive is parsed), not
-    another item's destination as well."""
-    if length < _DIRECT_MIN or len(held) != 1 or held[0].type != LoadItemType.TENSOR:
+    destination a contiguous CPU tensor of its shape (dtype checked once the archive is parsed) that
+    no other item's destination overlaps (:func:`_overlapping`)."""
+    if length < _DIRECT_MIN or len(held) != 1 or held[0].type != LoadItemType.TENSOR or id(held[0]) in shared:
         return None
     item = held[0]
     if any(int(o) != 0 for o in item.storage_offsets):
@@ -320,10 +358,7 @@ def _direct_target(held: list[Any], planner: LoadPlanner, length: int, seen: set
     target = planner.resolve_tensor(item).detach()
     if target.device.type != "cpu" or not target.is_contiguous() or tuple(target.shape) != tuple(item.lengths):
         return None
-    if target.numel() == 0 or target.data_ptr() in seen:
-        return None
-    seen.add(target.data_ptr())
-    return target
+    return target if target.numel() else None
 
 
 def _read_direct(read_into: Any, length: int, target: torch.Tensor) -> list[tuple[memoryview, bool]] | None:
