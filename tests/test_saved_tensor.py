@@ -163,7 +163,7 @@ def test_a_stream_hash_raises_what_hashing_raised_and_bounds_what_waits() -> Non
     import threading
     import zlib
 
-    from lightning_scale.core.checkpoint_format import StreamHash
+    from lightning_scale.core.checksums import StreamHash
 
     chunks = [bytes([i]) * 1000 for i in range(50)]
     digest = StreamHash("crc32", limit=3000)

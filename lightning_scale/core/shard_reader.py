@@ -34,10 +34,9 @@ from torch.futures import Future
 from lightning_scale.core.checkpoint_format import (
     MANIFEST,
     CheckpointCorruptError,
-    StreamHash,
     entry_checksum,
-    thread_pool,
 )
+from lightning_scale.core.checksums import StreamHash, thread_pool
 from lightning_scale.core.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
 from lightning_scale.core.storage import AnyPath, RemotePath, as_path
 

@@ -31,10 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_scale.core.checkpoint_format import (
-    DEFAULT_CHECKSUM,
     MANIFEST,
     CheckpointCorruptError,
-    check_checksum,
     clear_in_place,
     commit,
     file_entries,
@@ -43,6 +41,7 @@ from lightning_scale.core.checkpoint_format import (
     verify,
     write_manifest,
 )
+from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
 from lightning_scale.core.shard_reader import (
     SafeFileSystemReader,
     ShardReader,

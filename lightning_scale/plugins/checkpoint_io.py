@@ -26,10 +26,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_scale.core.checkpoint_format import (
-    DEFAULT_CHECKSUM,
     MANIFEST,
     CheckpointCorruptError,
-    check_checksum,
     clear_in_place,
     find_checkpoints,
     is_shard_file,
@@ -38,6 +36,7 @@ from lightning_scale.core.checkpoint_format import (
     verify,
 )
 from lightning_scale.core.checkpoint_state import decode
+from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
 from lightning_scale.core.sharded_checkpoint import (
     StagingWriter,
     distributed,
