@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_scale  # noqa: F401
 from lightning_scale.callbacks import GradNormMonitor
+from lightning_scale.core.pipeline import PipelineSpec
 from lightning_scale.data import DataParallelSampler, data_parallel_coordinates
 from lightning_scale.integrations.huggingface import hf_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
@@ -40,35 +41,71 @@ def _model(family: str, **overrides: Any) -> torch.nn.Module:
 
 
 class _Tokens(Dataset):
-    """Token windows as transformers batches: ``{"input_ids", "labels"}`` (labels unshifted)."""
+    """Token windows as transformers batches, in the forms users feed a causal LM (``data``):
 
-    def __init__(self, n: int = 8 * STEPS, length: int = 16) -> None:
-        self.tokens = torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(0))
+    - ``dict``: ``{"input_ids", "labels"}``, labels unshifted (transformers' convention);
+    - ``packed``: several documents per row, ``position_ids`` restarting at each (packed sequences);
+    - ``masked``: prompts of different lengths labelled -100 (instruction tuning);
+    - ``shifted``: ``(inputs, targets)`` pairs, targets already shifted by one (the nanoGPT convention).
+    """
+
+    def __init__(self, data: str = "dict", n: int = 8 * STEPS, length: int = 16) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.data = data
+        self.tokens = torch.randint(0, 256, (n, length + 1), generator=generator)
+        starts = torch.randint(1, length - 1, (n, 2), generator=generator)
+        self.positions = torch.stack([_restart_at(length, row.tolist()) for row in starts])
+        self.prompts = torch.randint(0, length - 2, (n,), generator=generator)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+    def __getitem__(self, i: int) -> Any:
+        tokens = self.tokens[i, :-1]
+        if self.data == "shifted":
+            return tokens, self.tokens[i, 1:]
+        batch = {"input_ids": tokens, "labels": tokens}
+        if self.data == "packed":
+            batch["position_ids"] = self.positions[i]
+        if self.data == "masked":
+            batch["labels"] = torch.where(torch.arange(len(tokens)) < self.prompts[i], -100, tokens)
+        return batch
+
+
+def _restart_at(length: int, starts: list[int]) -> torch.Tensor:
+    """Positions of a row holding documents that begin at 0 and at each of ``starts``."""
+    positions, begin = torch.arange(length), torch.zeros(length, dtype=torch.long)
+    for start in sorted(starts):
+        begin[start:] = start
+    return positions - begin
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
 class HFModule(LightningModule):
     """What a user writes around a transformers model: no hook of this package.
 
     ``own_loss``: the model's ``.loss``, which transformers computes in float32 whatever the model's
-    precision; else the same next-token loss written out, which stays in float64."""
+    precision; else the same next-token loss written out, which stays in float64 (with -100 ignored,
+    as F.cross_entropy does). ``data``: the batches' form (:class:`_Tokens`)."""
 
-    def __init__(self, family: str, own_loss: bool = False) -> None:
+    def __init__(self, family: str, own_loss: bool = False, data: str = "dict") -> None:
         super().__init__()
         self.model = _model(family)
         self.own_loss = own_loss
+        self.data = data
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.own_loss:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, (tuple, list)):  # shifted targets: every position against its target
+            inputs, targets = batch
+            loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
+        elif self.own_loss:
             loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         else:
-            logits = self.model(input_ids=batch["input_ids"]).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten())
+            logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+            loss = _next_token_loss(logits, batch["labels"])
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
@@ -77,13 +114,28 @@ class HFModule(LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         # The same global batches at every data-parallel size (so one process is the reference).
-        data = _Tokens()
+        data = _Tokens(self.data)
         rank, size = data_parallel_coordinates(self.trainer.strategy)
         sampler = DataParallelSampler(data, global_batch_size=8, dp_rank=rank, dp_size=size, shuffle=False)
         return DataLoader(data, batch_size=sampler.local_batch_size, sampler=sampler)
 
 
-def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False) -> dict[str, Any]:
+class OwnSpecModule(HFModule):
+    """A user's own cut of the transformers model (no stage forward of theirs) and their own loss."""
+
+    def pipeline_spec(self) -> tuple[str, PipelineSpec]:
+        layers = [f"model.layers.{i}" for i in range(len(self.model.model.layers))]
+        spec = PipelineSpec(
+            blocks=layers, first=["model.embed_tokens"], last=["model.norm", "lm_head"], loss_fn=_next_token_loss,
+            loss_tokens=lambda labels: (labels[:, 1:] != -100).sum(),
+        )  # fmt: skip
+        return "model", spec
+
+    def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["input_ids"], batch["labels"]
+
+
+def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
@@ -95,13 +147,13 @@ def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False) -> di
         callbacks=[GradNormMonitor(), record],
         use_distributed_sampler=False,
     )
-    module = HFModule(family, own_loss)
+    module = module_cls(family, own_loss, data)
     trainer.fit(module)
     return {"losses": record.losses, "grad_norms": record.grad_norms, "state": full_parameters(module, devices)}
 
 
-def _hybrid(world: int, family: str, own_loss: bool = False, **kwargs: Any) -> dict[str, Any]:
-    return _fit(HybridParallelStrategy(microbatches=2, **kwargs), world, family, own_loss)
+def _hybrid(world: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule, **kwargs: Any) -> dict[str, Any]:
+    return _fit(HybridParallelStrategy(microbatches=2, **kwargs), world, family, own_loss, data, module_cls)
 
 
 LAYOUTS_2 = {
@@ -117,12 +169,20 @@ LAYOUTS_4 = {
 CASES_2 = {f"{f}/{name}": lambda w, f=f, k=k: _hybrid(w, f, **k) for f in FAMILIES for name, k in LAYOUTS_2.items()}
 # The model's own `.loss` in the user's step (float32 inside transformers) against the pipeline's.
 CASES_2["llama/pp2-own-loss"] = lambda w: _hybrid(w, "llama", own_loss=True, **LAYOUTS_2["pp2-1f1b"])
+# The batches users bring (one process's semantics, not the package's conventions), at pp=2 with no hook.
+BATCHES = ("packed", "masked", "shifted")
+CASES_2 |= {f"llama-{data}/pp2": lambda w, d=data: _hybrid(w, "llama", data=d, **LAYOUTS_2["pp2-1f1b"]) for data in BATCHES}
+# A user's own pipeline_spec for the model, with their own loss, on masked prompts.
+CASES_2["llama-masked/pp2-own-spec"] = lambda w: _hybrid(w, "llama", data="masked", module_cls=OwnSpecModule, **LAYOUTS_2["pp2-1f1b"])
 CASES_4 = {f"{f}/{name}": lambda w, f=f, k=k: _hybrid(w, f, **k) for f in FAMILIES for name, k in LAYOUTS_4.items()}
+CASES_4["llama-packed/pp2-tp2"] = lambda w: _hybrid(w, "llama", data="packed", **LAYOUTS_4["pp2-tp2"])
 
 
 @pytest.fixture(scope="module")
 def single() -> dict[str, dict[str, Any]]:
-    return {family: _fit("auto", 1, family) for family in FAMILIES}
+    return {family: _fit("auto", 1, family) for family in FAMILIES} | {
+        f"llama-{data}": _fit("auto", 1, "llama", data=data) for data in BATCHES
+    }
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +217,26 @@ def test_hf_model_matches_one_process_on_two_processes(two: list[dict[str, Any]]
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_hf_model_matches_one_process_on_four_processes(four: list[dict[str, Any]], single: dict[str, Any], family: str, layout: str) -> None:
     _assert_parity([r[f"{family}/{layout}"] for r in four], single[family])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", BATCHES)
+def test_batches_as_users_bring_them_train_at_pp2_as_one_process(two: list[dict[str, Any]], single: dict[str, Any], data: str) -> None:
+    """Packed sequences' position_ids reach every stage; -100 labels weigh micro-batches by their labelled
+    tokens; already-shifted (inputs, targets) pairs are scored as they are, not shifted again."""
+    _assert_parity([r[f"llama-{data}/pp2"] for r in two], single[f"llama-{data}"])
+
+
+@pytest.mark.slow
+def test_packed_position_ids_reach_every_stage_at_pp2_tp2(four: list[dict[str, Any]], single: dict[str, Any]) -> None:
+    _assert_parity([r["llama-packed/pp2-tp2"] for r in four], single["llama-packed"])
+
+
+@pytest.mark.slow
+def test_a_users_own_pipeline_spec_on_an_hf_model_trains_as_one_process(two: list[dict[str, Any]], single: dict[str, Any]) -> None:
+    """The user's cut has no stage forward: the family's runs it (the model's own forward would call the
+    final norm the first stage no longer has)."""
+    _assert_parity([r["llama-masked/pp2-own-spec"] for r in two], single["llama-masked"])
 
 
 @pytest.mark.slow

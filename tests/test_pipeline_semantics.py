@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers.distributed import run_distributed
 from helpers.lightning import fit_error, quiet_trainer
-from helpers.parity import RecordLoss
+from helpers.models import ViTModule
+from helpers.parity import RecordLoss, full_parameters
 from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
@@ -20,6 +21,7 @@ import lightning_scale  # noqa: F401
 from lightning_scale.core.pipeline import PipelineSpec
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 
 TIED = GPTConfig(n_layers=4, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
@@ -114,6 +116,66 @@ def test_dict_batches_train_at_pp2_through_the_hook_and_without_it_the_error_nam
         assert "Define `pipeline_batch(self, batch) -> (inputs, target)` on _DictModule" in error, error
 
 
+# ---------------------------------------------------------------- parameters on the model itself (a timm-style ViT)
+
+
+class _Images(Dataset):
+    def __init__(self, n: int = 32) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 3, 8, 8, dtype=torch.float64, generator=generator)
+        self.labels = torch.randint(0, 10, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
+
+
+def _fit_vit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict[str, Any]:
+    seed_everything(0, verbose=False)
+    record = RecordLoss()
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, precision="64-true", max_steps=4, callbacks=[record], use_distributed_sampler=False
+    )
+    module = ViTModule()
+    trainer.fit(module, DataLoader(_Images(), batch_size=8))
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)
+    return {"losses": record.losses, "state": full_parameters(module, devices)}
+
+
+def _vit_pipelines(rank: int, world: int, out: str) -> dict[str, Any]:
+    return {
+        schedule: _fit_vit(
+            HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, schedule=schedule), world, f"{out}/{schedule}"
+        )
+        for schedule in ("1f1b", "zbv")  # zbv: two stages per rank, each holding the ViT's own parameters
+    }
+
+
+@pytest.mark.slow
+def test_a_vits_own_parameters_train_once_at_pp2_and_its_checkpoint_holds_the_trained_values(tmp_path: Any) -> None:
+    """cls_token and pos_embed sit on the ViT itself, outside every module its spec lists: every stage
+    keeps a copy, and the copies take the one-process step together (the last stage's copy used to
+    keep its initial values, and the checkpoint could hold that stale copy)."""
+    reference = _fit_vit("auto", 1)
+    results = run_distributed(_vit_pipelines, 2, str(tmp_path), timeout=240)
+    # atol: attention's key bias has an exactly-zero gradient (softmax ignores a shift shared by every
+    # key); AdamW scales its rounding noise (~1e-17) up to steps of ~1e-11, differently per layout.
+    atol = 1e-10
+    for schedule in ("1f1b", "zbv"):
+        saved = load_full_checkpoint(tmp_path / schedule)["state_dict"]
+        assert saved.keys() == reference["state"].keys()
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(saved[name], value, rtol=1e-9, atol=atol, msg=f"{schedule} checkpoint: {name}")
+        for rank, result in enumerate(results):
+            run = result[schedule]
+            torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-9, atol=0)
+            for name, value in reference["state"].items():
+                torch.testing.assert_close(run["state"][name], value, rtol=1e-9, atol=atol, msg=f"{schedule} rank {rank}: {name}")
+
+
 # ---------------------------------------------------------------- set-up checks
 
 
@@ -161,7 +223,10 @@ def test_set_up_refuses_manual_optimisation_runs_fp16_loss_scaling_and_names_byp
     warned = results[0]["warned"]  # rank 0 warns
     assert len(warned) == 1, warned
     assert "_DictModule's training_step is not called (each needs the whole model)" in warned[0]
-    assert "logs it as 'train/loss', 'val/loss', 'test/loss'" in warned[0]
+    assert "logs the loss as 'train/loss', 'val/loss', 'test/loss'" in warned[0]
+    # It names the objective that trains, and where the batches' (inputs, target) come from.
+    assert "the loss that trains is the pipeline spec's loss_fn (_loss) on each micro-batch, averaged over the micro-batches" in warned[0]
+    assert "Batches: _DictModule.pipeline_batch" in warned[0]
 
 
 # ---------------------------------------------------------------- loss names that callbacks monitor

@@ -7,13 +7,17 @@ Blocks may sit in an ``nn.ModuleDict``, an ``nn.Sequential`` or an ``nn.ModuleLi
 a :class:`KeptModuleList`: iterating it yields the stage's blocks, their names unchanged).
 The model's ``forward`` must skip what is missing (a removed embedding means the input already is
 the hidden state; a removed head means the output is the hidden state), as the reference GPT's does.
+Parameters outside every declared module (set directly on the root, like a ViT's ``cls_token``) stay
+on every stage; the runner keeps the copies in step, as it does weights tied across stages.
 """
 
 from __future__ import annotations
 
 import copy
+import linecache
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,14 +26,28 @@ from torch import nn
 from lightning_scale.core.modules import Matcher, check_matcher, outermost_registered
 
 __all__ = [
+    "IGNORE_INDEX",
     "KeptModuleList",
     "PipelineSpec",
     "StageForward",
     "find_registered_spec",
+    "labelled_tokens",
     "prune_to_stage",
     "register_pipeline_spec",
+    "removed_module_called",
+    "removed_modules",
     "stage_view",
+    "undeclared_parameters",
+    "with_registered_forward",
 ]
+
+IGNORE_INDEX = -100
+"""The target value that torch's ``cross_entropy``/``nll_loss`` (and transformers) leave out of the mean."""
+
+
+def labelled_tokens(target: torch.Tensor) -> torch.Tensor:
+    """How many positions of ``target`` a cross entropy with the default ``ignore_index`` averages over."""
+    return (target != IGNORE_INDEX).sum()
 
 
 @dataclass(frozen=True)
@@ -45,12 +63,19 @@ class PipelineSpec:
         identity: modules of ``first``/``last`` that a stage without them replaces by ``nn.Identity``
             instead of ``None`` (for models whose forward calls them unconditionally, like a final
             norm inside a Hugging Face base model).
-        stage_forward: ``stage_forward(module, *inputs) -> output``: how a stage runs its pruned
-            module (default: ``module(*inputs)``); the first stage's inputs are the batch inputs,
-            a later stage's the hidden state.
-        split_batch: ``split_batch(batch) -> (inputs, target)`` for batches of the kind this model is
-            usually fed (a Hugging Face ``{"input_ids", "labels"}`` dict), used when the
-            LightningModule defines no ``pipeline_batch`` hook.
+        stage_forward: ``stage_forward(module, *inputs, **kwargs) -> output``: how a stage runs its
+            pruned module (default: ``module(*inputs, **kwargs)``); the first stage's inputs are the
+            batch inputs, a later stage's the hidden state; ``kwargs`` are the batch's extra inputs
+            (``position_ids``, ...), which every stage receives.
+        split_batch: ``split_batch(batch) -> (inputs, target)`` or ``(inputs, target, kwargs)`` for
+            batches of the kind this model is usually fed (a Hugging Face ``{"input_ids", "labels"}``
+            dict), used when the LightningModule defines no ``pipeline_batch`` hook.
+        loss_tokens: ``loss_tokens(target) -> count``: how many positions ``loss_fn`` averages over in
+            ``target`` (:func:`labelled_tokens`: the positions not equal to -100). Each micro-batch's
+            loss then counts by its share of the batch's positions (the sum over micro-batches divided
+            once by the batch's count): what ``loss_fn`` gives on the whole batch, however the ignored
+            positions fall. Without it micro-batches count equally, which is exact for a loss averaged
+            over every position; an integer target holding -100 is then refused.
     """
 
     blocks: Sequence[str]
@@ -59,12 +84,17 @@ class PipelineSpec:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
     identity: Sequence[str] = ()
     stage_forward: Callable[..., Any] | None = field(default=None, compare=False)
-    split_batch: Callable[[Any], tuple[Any, Any]] | None = field(default=None, compare=False)
+    split_batch: Callable[[Any], tuple[Any, ...]] | None = field(default=None, compare=False)
+    loss_tokens: Callable[[Any], torch.Tensor | int] | None = field(default=None, compare=False)
+
+    def declared(self) -> list[str]:
+        """Every module the spec places: blocks, ``first`` and ``last``."""
+        return [*self.blocks, *self.first, *self.last]
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("A PipelineSpec needs at least one block to cut between.")
-        names = [*self.blocks, *self.first, *self.last]
+        names = self.declared()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"PipelineSpec names {dupes} more than once; each module belongs to one place.")
@@ -135,6 +165,44 @@ class KeptModuleList(nn.ModuleList):
     append = insert = extend = __iadd__ = _grow  # type: ignore[assignment]
 
 
+def with_registered_forward(root: nn.Module, spec: PipelineSpec) -> PipelineSpec:
+    """``spec`` (a user's cut of ``root``) completed with how the registered architecture that ``root``
+    itself is runs a stage: its ``stage_forward`` and ``identity`` modules when ``spec`` gives no
+    ``stage_forward``, and its loss, token count and batch split when ``spec`` gives no ``loss_fn``.
+
+    A user cutting a Hugging Face decoder their own way still needs the family's forward (a later
+    stage feeds the hidden state as ``inputs_embeds``; the final norm is an identity off the last
+    stage), or the model's own ``forward`` calls a module the cut removed.
+    """
+    found = find_registered_spec(root)
+    if found is None or found[0] != "" or spec.stage_forward is not None:
+        return spec
+    registered = found[1]
+    placed = {*spec.first, *spec.last}
+    changes: dict[str, Any] = {
+        "stage_forward": registered.stage_forward,
+        "identity": sorted({*spec.identity, *(n for n in registered.identity if n in placed)}),
+    }
+    if spec.loss_fn is None:
+        changes |= {
+            "loss_fn": registered.loss_fn,
+            "loss_tokens": registered.loss_tokens,
+            "split_batch": spec.split_batch or registered.split_batch,
+        }
+    return replace(spec, **changes)
+
+
+def undeclared_parameters(root: nn.Module, spec: PipelineSpec) -> list[str]:
+    """Names of ``root``'s parameters outside every module the spec places (parameters set directly
+    on ``root``, like a ViT's ``cls_token``, or in a module it does not list): every stage keeps them."""
+    declared = spec.declared()
+    return [
+        name
+        for name, _ in root.named_parameters()
+        if not any(name.startswith(module + ".") for module in declared)
+    ]
+
+
 def _remove(root: nn.Module, name: str, identity: bool = False) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
@@ -147,7 +215,7 @@ def _remove(root: nn.Module, name: str, identity: bool = False) -> None:
         setattr(parent, attr, nn.Identity() if identity else None)
 
 
-def _dropped(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_last: bool) -> list[str]:
+def removed_modules(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_last: bool) -> list[str]:
     keep_set = set(keep)
     drop: list[str] = [name for i, name in enumerate(spec.blocks) if i not in keep_set]
     if not is_first:
@@ -157,6 +225,38 @@ def _dropped(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_last: b
     return drop
 
 
+def removed_module_called(error: BaseException | None, root: nn.Module, spec: PipelineSpec, removed: Sequence[str]) -> str | None:
+    """The message for a stage's forward that called a module its stage does not hold (``None`` when
+    ``error`` is something else): which module, on which line, and the ways out.
+
+    A removed ``first``/``last`` module is ``None`` on the stages without it, so a forward that calls
+    it unconditionally fails with ``'NoneType' object is not callable`` deep inside the model.
+    """
+    if not (isinstance(error, TypeError) and "'NoneType' object is not callable" in str(error)):
+        return None
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    line, owner = "", None
+    if tb is not None:
+        line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+        owner = tb.tb_frame.f_locals.get("self")
+    owner_path = next((name for name, m in root.named_modules() if m is owner), None)
+    candidates = [n for n in removed if n in (*spec.first, *spec.last)]
+    called = [
+        name
+        for name in candidates
+        if (owner_path is None or name.rpartition(".")[0] == owner_path)
+        and re.search(rf"\b{re.escape(name.rpartition('.')[2])}\b", line)
+    ]
+    return (
+        f"A pipeline stage's forward called {called or candidates} (`{line}`), which the pipeline spec removes "
+        "from this stage (each of its first and last modules lives on the first or last stage only). Make the "
+        "model's forward skip it when it is None, list it in the spec's identity=[...] (replaced by nn.Identity "
+        "where it is removed), or give the spec a stage_forward(module, *inputs, **kwargs) that runs a stage."
+    )
+
+
 def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool) -> nn.Module:
     """Remove, in place, every block not in ``keep`` (indices into ``spec.blocks``), and the ``first``
     modules unless ``is_first`` and the ``last`` modules unless ``is_last``. Returns ``root``."""
@@ -164,7 +264,7 @@ def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, 
     missing = [n for n in [*spec.blocks, *spec.first, *spec.last] if n not in names]
     if missing:
         raise ValueError(f"The pipeline spec names modules that do not exist: {missing[:5]}")
-    for name in _dropped(spec, keep, is_first, is_last):
+    for name in removed_modules(spec, keep, is_first, is_last):
         _remove(root, name, identity=name in spec.identity)
     return root
 
@@ -180,7 +280,7 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
     hooks); hooks registered on ``root`` before the views are made apply to them too.
     """
     present = {n for n, _ in root.named_modules()}
-    drop = [n for n in _dropped(spec, keep, is_first, is_last) if n in present]
+    drop = [n for n in removed_modules(spec, keep, is_first, is_last) if n in present]
     copies: dict[str, nn.Module] = {}
 
     def copied(path: str) -> nn.Module:
@@ -207,7 +307,7 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
 
 
 class StageForward(nn.Module):
-    """The module a pipeline stage runs when the spec has a ``stage_forward``: ``stage_forward(module, *inputs)``.
+    """The module a pipeline stage runs when the spec has a ``stage_forward``: ``stage_forward(module, *inputs, **kwargs)``.
 
     The pruned model (or its view) is a child, so data parallelism wrapping this wrapper manages
     the model's parameters, and their names inside the model do not change.
@@ -218,5 +318,5 @@ class StageForward(nn.Module):
         self.module = module
         self._stage_forward = stage_forward
 
-    def forward(self, *inputs: Any) -> Any:
-        return self._stage_forward(self.module, *inputs)
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self._stage_forward(self.module, *inputs, **kwargs)

@@ -5,14 +5,21 @@ hold exactly the parameters this rank trains, under their original names. With s
 rank (interleaved and V-shaped schedules) each stage runs through a
 :func:`~lightning_scale.core.pipeline.stage_view` of that module.
 
-Loss scaling is the caller's: torch's ``scale_grads`` would divide by the micro-batch count only,
-turning gradient accumulation into an average, so each micro-batch loss is multiplied by the
-``scale`` passed to :meth:`PipelineRunner.train_step` (``1 / (microbatches * accumulation)``) and
-the schedules run with ``scale_grads=False``.
+The batch's loss is what the spec's ``loss_fn`` gives on the whole batch: each micro-batch's loss is
+weighted by its share of the batch's positions (:mod:`lightning_scale.core.pipeline_loss`). Further
+scaling is the caller's: torch's
+``scale_grads`` would divide by the micro-batch count only, turning gradient accumulation into an
+average, so each weighted loss is multiplied by the ``scale`` passed to
+:meth:`PipelineRunner.train_step` (``loss scale / accumulation``) and the schedules run with
+``scale_grads=False``.
+
+Extra model inputs (``kwargs``: ``position_ids`` of packed sequences, an attention mask, ...) are
+split into micro-batches like the inputs and reach the forward of every stage, not only the first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +40,16 @@ from lightning_scale.core.partition import (
     partition_by_layers,
     stage_ranks,
 )
-from lightning_scale.core.pipeline import PipelineSpec, StageForward, prune_to_stage, stage_view
+from lightning_scale.core.pipeline import (
+    PipelineSpec,
+    StageForward,
+    prune_to_stage,
+    removed_module_called,
+    removed_modules,
+    stage_view,
+    undeclared_parameters,
+)
+from lightning_scale.core.pipeline_loss import MicroBatchLoss
 from lightning_scale.core.pipeline_schedules import build_schedule, forward_only_schedule, make_stages
 from lightning_scale.core.pipeline_ties import TiedCopies, check_ties_for_data_parallel
 from lightning_scale.core.pipeline_timing import StageTimer
@@ -49,6 +65,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _as_args(inputs: Inputs) -> tuple[torch.Tensor, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+# What torch's schedule `step` takes itself; a model input of that name would be taken for it.
+_STEP_ARGUMENTS = ("target", "losses", "return_outputs", "loss_kwargs")
 
 
 class PipelineRunner:
@@ -103,14 +123,20 @@ class PipelineRunner:
         tied = tied_parameter_groups(root)
         self.tied_groups = [list(names) for names in tied]
         """Names (in ``root``) of each weight shared by several modules of the whole model (before pruning), first name first."""
+        self.shared_parameters = undeclared_parameters(root, spec)
+        """Parameters outside every module the spec places: each stage keeps a copy, kept in step."""
         if self._replicas > 1:
             check_ties_for_data_parallel(tied, lambda name: self._stage_of(spec, name), ranks, schedule)
+            self._check_shared_for_data_parallel(root)
         keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))
+        self._removed = [n for n in removed_modules(spec, keep, self.is_first, self.is_last) if n not in spec.identity]
         prune_to_stage(root, spec, keep, is_first=self.is_first, is_last=self.is_last)
-        self._ties = TiedCopies(root, tied, mesh, device)
-        self._loss_fn = spec.loss_fn
-        self._scale = 1.0
-        self._predicting = False
+        # A parameter every stage holds is a weight tied across all of them: its copies' gradients are
+        # summed (the stages that do not use it add zeros), so every copy takes the one-process step.
+        tied_names = {n for names in tied for n in names}
+        groups = [*tied, *([n] for n in self.shared_parameters if n not in tied_names)]
+        self._ties = TiedCopies(root, groups, mesh, device)
+        self._loss = MicroBatchLoss(spec.loss_fn, spec.loss_tokens)
         self._root, self._spec = root, spec
         self._modules: list[nn.Module] | None = None
         self._shape: tuple[tuple[int, ...], ...] | None = None  # fixed by the first batch after `build`
@@ -118,6 +144,8 @@ class PipelineRunner:
         """False on accumulation micro-steps: no data-parallel reduction, no tied-copy sum."""
         self.schedule: Any = None
         self._eval_schedule: Any = None
+        self.batches_described = False
+        """Whether the strategy has said how it reads this runner's batches (it does so once)."""
         self.timer = StageTimer(device)
         """Compute and step time of the training schedule on this rank (``core.pipeline_timing``)."""
 
@@ -131,7 +159,22 @@ class PipelineRunner:
             f"{self.partition_kind}, blocks per stage {[len(self.partition.blocks(s)) for s in range(self.num_stages)]}, "
             f"stage costs {costs}{' s' if by_cost else ''}, predicted bubble {bubble:.1%} ({self.schedule_name}, "
             f"{self.microbatches} micro-batches)"
+            + (
+                f"; on every stage, kept in step: {self.shared_parameters}"
+                if self.shared_parameters
+                else ""
+            )
         )
+
+    def _check_shared_for_data_parallel(self, root: nn.Module) -> None:
+        if self.shared_parameters and self._per_rank > 1:
+            raise ValueError(
+                f"{self.shared_parameters[:4]} are parameters of {type(root).__name__} outside every module its "
+                "pipeline spec places (blocks, first, last), so every stage holds them. With data parallelism each of "
+                f"a rank's {self._per_rank} stages (schedule={self.schedule_name!r}) is wrapped on its own, which "
+                "would wrap them twice: move them into a module listed in the spec's first (or last), or use a "
+                "schedule with one stage per rank (gpipe, 1f1b)."
+            )
 
     @property
     def root(self) -> nn.Module:
@@ -176,10 +219,10 @@ class PipelineRunner:
         train_stages = stages()
         for stage in train_stages:
             self.timer.wrap(stage)
-        self.schedule = build_schedule(self.schedule_name, train_stages, self.microbatches, self._scaled_loss)
+        self.schedule = build_schedule(self.schedule_name, train_stages, self.microbatches, self._loss)
         eval_stages = stages() if self.schedule_name in V_SHAPED else []  # the V's eval needs stages of its own
         self._eval_schedule = forward_only_schedule(
-            self.schedule_name, eval_stages, self.microbatches, self._scaled_loss, self.schedule
+            self.schedule_name, eval_stages, self.microbatches, self._loss, self.schedule
         )
         self._shape = None
 
@@ -220,10 +263,13 @@ class PipelineRunner:
             return partition_by_layers(len(weights), self.num_stages, weights, first, last)
         return balanced_partition(weights, self.num_stages, first, last)
 
-    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self._predicting:
-            return output.new_zeros(())
-        return self._loss_fn(output, target) * self._scale
+    def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        clash = sorted(set(kwargs) & set(_STEP_ARGUMENTS))
+        if clash:
+            raise ValueError(
+                f"The batch's extra model inputs {clash} have names that torch's pipeline schedule takes for itself "
+                f"({', '.join(_STEP_ARGUMENTS)}); rename them in pipeline_batch and in the model's forward."
+            )
 
     def _check_shape(self, inputs: Inputs) -> None:
         args = _as_args(inputs)
@@ -249,23 +295,31 @@ class PipelineRunner:
                 "pipeline schedules need equal micro-batches. Choose microbatches dividing the batch size."
             )
 
-    def _run(self, inputs: Inputs, target: Any, scale: float, train: bool) -> torch.Tensor:
+    def _run(self, inputs: Inputs, target: Any, kwargs: Mapping[str, Any], scale: float, train: bool) -> torch.Tensor:
         self._check_shape(inputs)
-        self._scale = scale
+        self._check_kwargs(kwargs)
+        indices = self._loss.set_targets(target, self.microbatches)
+        self._loss.scale = scale
         args = _as_args(inputs) if self.is_first else ()
-        losses: list[torch.Tensor] = []  # one scaled loss per micro-batch, filled on the last stage
-        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        if train:
-            with self.timer.span("step"):
-                self.schedule.step(*args, return_outputs=False, **kwargs)
-        else:
-            self._eval_schedule.eval(*args, **kwargs)
+        losses: list[torch.Tensor] = []  # one weighted, scaled loss per micro-batch, filled on the last stage
+        step: dict[str, Any] = {"target": indices, "losses": losses} if self.is_last else {}
+        try:
+            if train:
+                with self.timer.span("step"):
+                    self.schedule.step(*args, return_outputs=False, **step, **kwargs)
+            else:
+                self._eval_schedule.eval(*args, **step, **kwargs)
+        except RuntimeError as err:
+            called = removed_module_called(err.__cause__, self._root, self._spec, self._removed)
+            if called is not None:
+                raise ValueError(called) from err
+            raise
         # Only the last stage knows the loss; every rank gets the true value, averaged over the
         # data-parallel replicas: one collective per step. float64 on every rank: the collective
         # must have the same size everywhere, whatever the model's precision.
         loss = torch.zeros((), device=self.device, dtype=torch.float64)
         if self.is_last:
-            loss = (torch.stack([_local(l.detach()) for l in losses]).mean() / scale).to(torch.float64)
+            loss = (torch.stack([_local(l.detach()).to(torch.float64) for l in losses]).sum() / scale)
         if self._replicas == 1:
             dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
         else:
@@ -275,13 +329,14 @@ class PipelineRunner:
             loss /= self._replicas * self.mesh["tp"].size()
         return loss
 
-    def train_step(self, inputs: Inputs, target: Any, scale: float) -> torch.Tensor:
-        """Forward and backward of one batch; returns its mean (unscaled) loss on every rank.
+    def train_step(self, inputs: Inputs, target: Any, scale: float, kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Forward and backward of one batch; returns its (unscaled) loss on every rank.
 
-        Each micro-batch loss is multiplied by ``scale`` before its backward. With ``sync_grads``
-        (the last micro-step of an accumulation window) the tied copies' gradients are summed.
+        Each micro-batch's weighted loss is multiplied by ``scale`` before its backward. ``kwargs``:
+        extra model inputs, split like ``inputs``, for every stage. With ``sync_grads`` (the last
+        micro-step of an accumulation window) the tied and shared copies' gradients are summed.
         """
-        loss = self._run(inputs, target, scale, train=True)
+        loss = self._run(inputs, target, kwargs or {}, scale, train=True)
         if self.sync_grads:
             self._ties.all_reduce_grads()
         return loss
@@ -290,21 +345,24 @@ class PipelineRunner:
         """ids of tied copies that another stage already counts in the global gradient norm."""
         return self._ties.excluded_from_norm()
 
-    def eval_step(self, inputs: Inputs, target: Any) -> torch.Tensor:
-        """Forward only; the batch's mean loss on every rank."""
-        return self._run(inputs, target, 1.0, train=False)
+    def eval_step(self, inputs: Inputs, target: Any, kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Forward only; the batch's loss on every rank."""
+        return self._run(inputs, target, kwargs or {}, 1.0, train=False)
 
-    def predict_step(self, inputs: Inputs) -> Any:
+    def predict_step(self, inputs: Inputs, kwargs: Mapping[str, Any] | None = None) -> Any:
         """The last stage's output for ``inputs``, returned on every rank."""
         self._check_shape(inputs)
+        kwargs = kwargs or {}
+        self._check_kwargs(kwargs)
         args = _as_args(inputs)
         # The schedule computes a loss on the last stage whenever it has a loss function; while
-        # predicting that loss is a placeholder (the inputs stand in for the absent target).
-        self._predicting = True
+        # predicting that loss is a placeholder.
+        self._loss.predicting = True
         try:
-            output = self._eval_schedule.eval(*(args if self.is_first else ()), **({"target": args[0]} if self.is_last else {}))
+            step = {"target": torch.arange(self.microbatches)} if self.is_last else {}
+            output = self._eval_schedule.eval(*(args if self.is_first else ()), **step, **kwargs)
         finally:
-            self._predicting = False
+            self._loss.predicting = False
         if isinstance(output, DTensor):
             output = output.full_tensor()
         box = [output.cpu() if self.is_last else None]

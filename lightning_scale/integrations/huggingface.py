@@ -11,9 +11,12 @@
   ``inputs_embeds``); the final norm is an identity off the last stage, the LM head runs on the
   last only. The loss is transformers' causal-LM loss (:func:`causal_lm_loss`: labels as transformers
   expects them, unshifted; positions labelled -100 ignored), in the logits' precision (float32 at
-  least; transformers' own always computes in float32, which in a float64 run rounds). Batches that are
-  ``{"input_ids", "labels"}`` dicts (labels default to the inputs) or ``(input_ids, labels)`` pairs
-  need no ``pipeline_batch`` hook.
+  least; transformers' own always computes in float32, which in a float64 run rounds), over the
+  batch's labelled tokens however they fall into micro-batches. Batches need no ``pipeline_batch``
+  hook (:class:`HFBatches`): ``{"input_ids", "labels", ...}`` dicts, whose other entries the model's
+  forward takes (``position_ids`` of packed sequences, ``attention_mask``) reach every stage; and
+  ``(input_ids, targets)`` pairs, whose targets may be transformers' labels or already shifted
+  (the nanoGPT convention), told apart on the data.
 
 Nothing here imports ``transformers``: models are recognised by their class's module
 (``transformers.…``), so ``import lightning_scale`` stays light and works without the extra.
@@ -24,21 +27,24 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_scale.core.checks import divisors, format_choices
-from lightning_scale.core.pipeline import PipelineSpec, register_pipeline_spec
+from lightning_scale.core.pipeline import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.core.tensor_parallel import register_plan
 
 __all__ = [
+    "HFBatches",
     "HF_STYLES",
     "PIPELINE_FAMILIES",
     "causal_lm_loss",
+    "causal_lm_tokens",
     "hf_pipeline_spec",
-    "hf_split_batch",
     "hf_tensor_parallel_plan",
     "is_hf_model",
     "unsupported_pipeline_family",
@@ -127,32 +133,108 @@ def unsupported_pipeline_family(module: nn.Module) -> str | None:
     return None
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The mean next-token cross entropy of ``model(input_ids, labels=labels).loss``: ``labels`` unshifted
     (position ``t`` predicts ``labels[t + 1]``), ``ignore_index`` positions left out; computed in the
-    logits' precision, float32 at least."""
-    logits = logits[:, :-1].flatten(0, 1)
+    logits' precision, float32 at least. ``labels`` may be one position longer than the logits (the
+    token after the last input included: how :class:`HFBatches` passes already-shifted targets)."""
+    logits = logits[:, : labels.size(1) - 1].flatten(0, 1)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=ignore_index)
 
 
-def hf_split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(input_ids, labels)`` of a transformers-style batch: a dict with ``input_ids`` (and ``labels``,
-    else the inputs), or an ``(input_ids, labels)`` pair."""
-    if isinstance(batch, Mapping) and "input_ids" in batch:
-        mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+def causal_lm_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The positions :func:`causal_lm_loss` averages over: the labels after the first not equal to -100."""
+    return labelled_tokens(labels[:, 1:])
+
+
+# Base-model arguments a batch does not choose: the first stage's input and the pipeline's own settings.
+_NOT_FROM_BATCH = {"input_ids", "inputs_embeds", "labels", "use_cache", "cache", "past_key_values", "return_dict"}
+
+
+class HFBatches:
+    """``split_batch`` for a transformers causal LM: ``(input_ids, labels, kwargs)`` of a batch.
+
+    - A dict: ``input_ids``, ``labels`` (default: the inputs; transformers' convention, unshifted), and
+      as ``kwargs`` (for every stage) the entries the base model's ``forward`` takes by name
+      (``position_ids``: packed sequences; ``attention_mask``: padding). Other entries are not used.
+    - An ``(input_ids, targets)`` pair: the targets are transformers' labels when they equal the inputs
+      at every labelled position, or already shifted (``targets[:, t]`` is the token after
+      ``input_ids[:, t]``, the nanoGPT convention) when they equal the inputs moved by one; these
+      become labels one position longer (the first input prepended), so :func:`causal_lm_loss` scores
+      every position against its target. A batch fitting neither is refused, naming both and the dict
+      form; one fitting both (no position tells them apart) takes the convention of the batches before.
+    """
+
+    def __init__(self, base: nn.Module) -> None:
+        params = inspect.signature(base.forward).parameters
+        self.model_inputs = frozenset(
+            name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ) - _NOT_FROM_BATCH
+        self.convention: str | None = None  # of (input_ids, targets) pairs, once a batch showed it
+
+    def describe(self) -> str:
+        pairs = {
+            None: "(input_ids, targets) pairs: whether targets are transformers' labels or already shifted is read "
+            "from the first batch",
+            "labels": "(input_ids, labels) pairs whose labels are transformers' (unshifted; position t predicts "
+            "labels[:, t+1])",
+            "shifted": "(input_ids, targets) pairs whose targets are already shifted (targets[:, t] is the token "
+            "after input_ids[:, t]: every position is scored against its target)",
+        }[self.convention]
+        return (
+            f"transformers batches: {{'input_ids', 'labels'}} dicts (labels unshifted; entries the model's forward "
+            f"takes, of {sorted(self.model_inputs)}, go to every stage), or {pairs}"
+        )
+
+    def __call__(self, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        if isinstance(batch, Mapping) and "input_ids" in batch:
+            kwargs = {k: v for k, v in batch.items() if k in self.model_inputs and isinstance(v, torch.Tensor)}
+            return batch["input_ids"], batch.get("labels", batch["input_ids"]), kwargs
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs, targets = batch
+            if self._shifted(inputs, targets):
+                # transformers' labels for the window and the token after it: label t + 1 is target t.
+                return inputs, torch.cat([inputs[:, :1], targets], dim=1), {}
+            return inputs, targets, {}
+        raise TypeError(
+            f"A Hugging Face model's pipeline takes {{'input_ids', 'labels'}} dicts or (input_ids, targets) pairs, got "
+            f"a {type(batch).__name__}. Define `pipeline_batch(self, batch) -> (inputs, target)` on the LightningModule."
+        )
+
+    def _shifted(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)) or inputs.shape != targets.shape:
             raise ValueError(
-                "This batch has padding (attention_mask with zeros). Pipeline stages pass hidden states only, "
-                "not masks, so padded batches would attend to the padding: pack the sequences to a fixed length."
+                f"(input_ids, targets) pairs for a Hugging Face model need targets of the inputs' shape, got "
+                f"{tuple(getattr(inputs, 'shape', ()))} and {tuple(getattr(targets, 'shape', ()))}."
             )
-        return batch["input_ids"], batch.get("labels", batch["input_ids"])
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"A Hugging Face model's pipeline takes {{'input_ids', 'labels'}} dicts or (input_ids, labels) pairs, got a "
-        f"{type(batch).__name__}. Define `pipeline_batch(self, batch) -> (inputs, target)` on the LightningModule."
-    )
+        labelled = targets != IGNORE_INDEX
+        as_labels = bool(((targets == inputs) | ~labelled).all())
+        shifted = bool(((targets[:, :-1] == inputs[:, 1:]) | ~labelled[:, :-1]).all())
+        if as_labels != shifted:
+            seen = "shifted" if shifted else "labels"
+            if self.convention not in (None, seen):
+                raise ValueError(
+                    f"This (input_ids, targets) batch's targets are {'already shifted' if shifted else 'unshifted labels'}, "
+                    f"but the batches before were {'already shifted' if self.convention == 'shifted' else 'unshifted labels'}: "
+                    "one dataset should keep one convention. Pass {'input_ids', 'labels'} dicts (transformers' convention)."
+                )
+            self.convention = seen
+        elif as_labels and self.convention is None and bool(labelled.any()):
+            raise ValueError(
+                "This (input_ids, targets) batch fits both conventions (its tokens repeat), so the pipeline cannot tell "
+                "whether its targets are transformers' labels or already shifted. Pass {'input_ids', 'labels'} dicts "
+                "(transformers' convention), or define pipeline_batch(self, batch) on the LightningModule."
+            )
+        elif not as_labels:
+            raise ValueError(
+                "The (input_ids, targets) pairs fed to this Hugging Face model are neither transformers' labels (equal "
+                "to input_ids at every labelled position; position t predicts labels[:, t+1]) nor already shifted "
+                "(targets[:, t] == input_ids[:, t+1], the nanoGPT convention), so the pipeline cannot tell what "
+                "its loss should compare. Pass {'input_ids', 'labels'} dicts (transformers' convention), or define "
+                "`pipeline_batch(self, batch) -> (inputs, target)` and a pipeline_spec whose loss_fn fits your targets."
+            )
+        return self.convention == "shifted"
 
 
 def _check_layer_types(base: nn.Module) -> None:
@@ -170,11 +252,13 @@ def _check_layer_types(base: nn.Module) -> None:
         )
 
 
-def _stage_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+def _stage_forward(model: nn.Module, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     base = getattr(model, model.base_model_prefix)
     _check_layer_types(base)
-    kwargs = {"input_ids": inputs} if base.embed_tokens is not None else {"inputs_embeds": inputs}
-    hidden = base(**kwargs, use_cache=False).last_hidden_state
+    first = {"input_ids": inputs} if base.embed_tokens is not None else {"inputs_embeds": inputs}
+    # Called as the model's own forward calls it (no `use_cache` of ours): whether a cache exists
+    # changes transformers' attention mask for packed position_ids.
+    hidden = base(**first, **kwargs).last_hidden_state
     head = getattr(model, "lm_head", None)
     return head(hidden) if head is not None else hidden
 
@@ -189,8 +273,9 @@ def hf_pipeline_spec(model: nn.Module) -> PipelineSpec:
         last=[f"{prefix}.norm", "lm_head"],
         identity=[f"{prefix}.norm"],
         loss_fn=causal_lm_loss,
+        loss_tokens=causal_lm_tokens,
         stage_forward=_stage_forward,
-        split_batch=hf_split_batch,
+        split_batch=HFBatches(base),
     )
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import divisors
-from lightning_scale.core.pipeline import PipelineSpec, register_pipeline_spec
+from lightning_scale.core.pipeline import PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.core.tensor_parallel import register_plan
 from lightning_scale.models.gpt import GPT
 
@@ -23,7 +23,7 @@ __all__ = ["gpt_pipeline_spec", "gpt_tensor_parallel_plan", "language_model_loss
 
 
 def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in at least fp32."""
+    """Mean next-token cross entropy over the targets not equal to -100, computed in at least fp32."""
     logits = logits.flatten(0, 1)
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
@@ -36,6 +36,7 @@ def gpt_pipeline_spec(model: GPT) -> PipelineSpec:
         first=first,
         last=["norm", "head"],
         loss_fn=language_model_loss,
+        loss_tokens=labelled_tokens,
     )
 
 

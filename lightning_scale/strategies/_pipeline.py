@@ -14,9 +14,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
+from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, with_registered_forward
 from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.integrations.huggingface import unsupported_pipeline_family
 
@@ -25,6 +25,7 @@ __all__ = [
     "PIPELINE_SPEC_HOOK",
     "PipelineRunner",
     "check_pipeline_module",
+    "describe_loss",
     "eval_step",
     "example_batch",
     "pipeline_batch",
@@ -39,14 +40,20 @@ PIPELINE_SPEC_HOOK = "pipeline_spec"
 runs a stage (``""`` for the LightningModule itself) and a :class:`PipelineSpec` relative to it."""
 
 PIPELINE_BATCH_HOOK = "pipeline_batch"
-"""LightningModule method ``pipeline_batch(self, batch) -> (inputs, target)``: what the first stage
-feeds the model (a tensor, or a tuple of tensors passed as positional arguments) and what the last
-stage's ``loss_fn(output, target)`` compares with. Not needed for ``(inputs, target)`` tuples.
-For ``trainer.predict`` the target may be ``None``."""
+"""LightningModule method ``pipeline_batch(self, batch) -> (inputs, target)`` or ``(inputs, target, kwargs)``:
+what the first stage feeds the model (a tensor, or a tuple of tensors passed as positional
+arguments), what the last stage's ``loss_fn(output, target)`` compares with, and extra keyword
+inputs of the model's forward (``position_ids``, an attention mask, ...) that every stage receives,
+split into micro-batches like the inputs. Not needed for ``(inputs, target)`` tuples. For
+``trainer.predict`` the target may be ``None``."""
 
 
 def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
-    """``(root, spec)`` from the LightningModule's hook, else from the registry of architectures."""
+    """``(root, spec)`` from the LightningModule's hook, else from the registry of architectures.
+
+    A hook's spec for a module that is itself a registered architecture (a user's own cut of a
+    Hugging Face decoder) runs its stages with the architecture's stage forward
+    (:func:`~lightning_scale.core.pipeline.with_registered_forward`)."""
     hook = getattr(module, PIPELINE_SPEC_HOOK, None)
     found = hook() if callable(hook) else find_registered_spec(module)
     if found is None:
@@ -57,41 +64,65 @@ def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
             "(root_module_name, PipelineSpec(blocks=..., first=..., last=..., loss_fn=...))` or register the "
             "architecture with lightning_scale.core.pipeline.register_pipeline_spec."
         )
+    if callable(hook):
+        root_name, spec = found
+        root = module.get_submodule(root_name) if root_name else module
+        found = root_name, with_registered_forward(root, spec)
     return found
+
+
+def _describe_source(module: LightningModule, spec: PipelineSpec | None) -> str:
+    if callable(getattr(module, PIPELINE_BATCH_HOOK, None)):
+        return f"{type(module).__name__}.{PIPELINE_BATCH_HOOK}"
+    if spec is not None and spec.split_batch is not None:
+        describe = getattr(spec.split_batch, "describe", None)
+        return describe() if callable(describe) else f"the spec's split_batch ({_name(spec.split_batch)})"
+    return "(inputs, target) pairs as they come"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def pipeline_batch(
     module: LightningModule, batch: Any, *, predicting: bool = False, spec: PipelineSpec | None = None
-) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a batch: the module's ``pipeline_batch`` hook, else the spec's
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``(inputs, target, kwargs)`` of a batch: the module's ``pipeline_batch`` hook, else the spec's
     ``split_batch`` (a model family's usual batches), else the batch itself when it is a pair. For
     prediction a lone tensor (or a 1-tuple) is the inputs, with no target."""
     hook = getattr(module, PIPELINE_BATCH_HOOK, None)
     if not callable(hook) and spec is not None and spec.split_batch is not None:
         hook = spec.split_batch
     if callable(hook):
-        pair = hook(batch)
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        parts = hook(batch)
+        if not (
+            isinstance(parts, (tuple, list))
+            and len(parts) in (2, 3)
+            and (len(parts) == 2 or isinstance(parts[2], Mapping))
+        ):
             raise TypeError(
-                f"{type(module).__name__}.{PIPELINE_BATCH_HOOK}(batch) must return (inputs, target), got "
-                f"{type(pair).__name__}."
+                f"{type(module).__name__}.{PIPELINE_BATCH_HOOK}(batch) must return (inputs, target) or (inputs, target, "
+                f"kwargs) with kwargs a dict of the model's extra inputs, got {type(parts).__name__}"
+                f"{f' of length {len(parts)}' if isinstance(parts, (tuple, list)) else ''}."
             )
-        inputs, target = pair
-        return (tuple(inputs) if isinstance(inputs, list) else inputs), target
+        inputs, target = parts[0], parts[1]
+        kwargs = dict(parts[2]) if len(parts) == 3 else {}
+        return (tuple(inputs) if isinstance(inputs, list) else inputs), target, kwargs
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
+        return batch[0], batch[1], {}
     if predicting:
         if isinstance(batch, (tuple, list)) and len(batch) == 1:
-            return batch[0], None
+            return batch[0], None, {}
         if not isinstance(batch, (tuple, list, Mapping)):
-            return batch, None
+            return batch, None, {}
     kind = type(batch).__name__
     keys = f" with keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else ""
     raise TypeError(
         f"With pipeline_parallel > 1 the first stage feeds the model the batch's inputs and the last stage's loss "
         f"compares the output with its target, but this batch is a {kind}{keys}, not (inputs, target). Define "
         f"`{PIPELINE_BATCH_HOOK}(self, batch) -> (inputs, target)` on {type(module).__name__} "
-        "(e.g. `return batch['input_ids'], batch['labels']`)."
+        "(e.g. `return batch['input_ids'], batch['labels']`; a third element, a dict, passes extra inputs such as "
+        "position_ids to every stage)."
     )
 
 
@@ -107,25 +138,39 @@ def check_pipeline_module(module: LightningModule, pipeline_parallel: int, loss_
         )
     steps = ("training_step", "validation_step", "test_step", "predict_step", "backward")
     bypassed = [m for m in steps if is_overridden(m, module)]
-    if bypassed:
-        _, spec = pipeline_spec_of(module)
-        loss = getattr(spec.loss_fn, "__qualname__", repr(spec.loss_fn))
-        zero_grad = (
-            " Its optimizer_zero_grad runs, but the strategy itself releases the previous step's gradients before "
-            "each window's first schedule (on_before_zero_grad sees none)."
-            if is_overridden("optimizer_zero_grad", module)
-            else ""
-        )
-        rank_zero_warn(
-            f"pipeline_parallel={pipeline_parallel}: {type(module).__name__}'s {', '.join(bypassed)} "
-            f"{'is' if len(bypassed) == 1 else 'are'} not called (each needs the whole model). Instead each rank "
-            f"runs its stages; the last stage computes the pipeline spec's loss_fn ({loss}) on the (inputs, target) "
-            "of every batch, and the strategy logs it as "
-            f"{', '.join(repr(n) for n in loss_names.values())} (HybridParallelStrategy(loss_name=...)) and returns "
-            "it from training_step; predict returns the model's output. Hooks, callbacks, optimizers, schedulers, "
-            f"clipping and accumulation work as usual.{zero_grad}",
-            category=UserWarning,
-        )
+    _, spec = pipeline_spec_of(module)
+    zero_grad = (
+        " Its optimizer_zero_grad runs, but the strategy itself releases the previous step's gradients before "
+        "each window's first schedule (on_before_zero_grad sees none)."
+        if is_overridden("optimizer_zero_grad", module)
+        else ""
+    )
+    not_called = (
+        f"{type(module).__name__}'s {', '.join(bypassed)} {'is' if len(bypassed) == 1 else 'are'} not called (each "
+        "needs the whole model). Instead each"
+        if bypassed
+        else "Each"
+    )
+    rank_zero_warn(
+        f"pipeline_parallel={pipeline_parallel}: {not_called} rank runs its stages, and the loss that trains is "
+        f"{describe_loss(spec)}. Batches: {_describe_source(module, spec)}. The strategy logs the loss as "
+        f"{', '.join(repr(n) for n in loss_names.values())} (HybridParallelStrategy(loss_name=...)) and returns "
+        "it from training_step; predict returns the model's output. Hooks, callbacks, optimizers, schedulers, "
+        f"clipping and accumulation work as usual.{zero_grad}",
+        category=UserWarning,
+    )
+
+
+def describe_loss(spec: PipelineSpec) -> str:
+    """The pipeline's loss in words: the spec's loss function and how micro-batches are combined."""
+    loss = _name(spec.loss_fn)
+    if spec.loss_tokens is None:
+        return f"the pipeline spec's loss_fn ({loss}) on each micro-batch, averaged over the micro-batches"
+    return (
+        f"the pipeline spec's loss_fn ({loss}) on each micro-batch, weighted by its share of the batch's "
+        f"{_name(spec.loss_tokens)} (the sum over micro-batches divided once by the batch's count: {loss} of the "
+        "whole batch)"
+    )
 
 
 def example_batch(trainer: Trainer) -> Any:
@@ -165,6 +210,17 @@ def _returned(loss: torch.Tensor, runner: PipelineRunner) -> torch.Tensor:
     return loss.to(torch.promote_types(dtype, torch.float32))
 
 
+def _split(runner: PipelineRunner, module: LightningModule, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """:func:`pipeline_batch`; the first batch a runner sees is described once (the conventions a
+    model family's ``split_batch`` infers, like whether pair targets are shifted, are known by then)."""
+    parts = pipeline_batch(module, batch, spec=runner.spec)
+    if not runner.batches_described:
+        runner.batches_described = True
+        extra = f"; extra inputs every stage receives: {sorted(parts[2])}" if parts[2] else ""
+        rank_zero_info(f"Pipeline batches: {_describe_source(module, runner.spec)}{extra}")
+    return parts
+
+
 def training_step(
     runner: PipelineRunner, module: LightningModule, batch: Any, optimizer: Any, loss_name: str, *, loss_scale: float = 1.0
 ) -> tuple[torch.Tensor, StashedGrads]:
@@ -178,10 +234,10 @@ def training_step(
     ones are taken off the parameters until ``backward``.
     """
     trainer = module.trainer
-    inputs, target = pipeline_batch(module, batch, spec=runner.spec)
+    inputs, target, kwargs = _split(runner, module, batch)
     stashed: StashedGrads = []
     if trainer.fit_loop._skip_backward:  # e.g. StochasticWeightAveraging's extra epoch: forward only
-        loss = runner.eval_step(inputs, target)
+        loss = runner.eval_step(inputs, target, kwargs)
     else:
         accumulate = trainer.accumulate_grad_batches
         zeroed_after = trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0
@@ -189,8 +245,9 @@ def training_step(
         if zeroed_after:
             for p in params:
                 p.grad = None
-        # Each micro-batch's share of the window's mean, times the precision plugin's loss scale.
-        loss = runner.train_step(inputs, target, loss_scale / (runner.microbatches * accumulate))
+        # The runner weighs the micro-batches into the batch's loss; each batch is a 1/accumulate share of
+        # the window's, times the precision plugin's loss scale.
+        loss = runner.train_step(inputs, target, loss_scale / accumulate, kwargs)
         if zeroed_after:
             stashed = [(p, p.grad) for p in params]
             for p in params:
@@ -202,8 +259,8 @@ def training_step(
 
 def eval_step(runner: PipelineRunner, module: LightningModule, batch: Any, loss_name: str) -> torch.Tensor:
     """Forward of every micro-batch of ``batch``; logs and returns its loss."""
-    inputs, target = pipeline_batch(module, batch, spec=runner.spec)
-    loss = runner.eval_step(inputs, target)
+    inputs, target, kwargs = _split(runner, module, batch)
+    loss = runner.eval_step(inputs, target, kwargs)
     # Already the mean over replicas, on every rank (the pipeline's one collective).
     module.log(loss_name, loss, prog_bar=True)
     return _returned(loss, runner)

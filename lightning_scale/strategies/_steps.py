@@ -120,9 +120,9 @@ class ParallelSteps:
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
             # The model's output for the batch's inputs (its predict_step would need the whole model).
-            inputs, _ = pipeline_batch(self.lightning_module, args[0], predicting=True, spec=self._pipeline.spec)
+            inputs, _, kwargs = pipeline_batch(self.lightning_module, args[0], predicting=True, spec=self._pipeline.spec)
             with self.precision_plugin.predict_step_context():
-                return self._pipeline.predict_step(inputs)
+                return self._pipeline.predict_step(inputs, kwargs)
         # Vocabulary-sharded outputs (loss_parallel) are returned whole, as one process would.
         return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, lambda t: t.full_tensor())
 

@@ -386,7 +386,8 @@ class HybridParallelStrategy(
         batch = module._on_before_batch_transfer(self.precision_plugin.convert_input(batch), dataloader_idx=0)
         batch = self.batch_to_device(batch)
         predicting = module.trainer.state.fn == TrainerFn.PREDICTING
-        return pipeline_batch(module, batch, predicting=predicting, spec=pipeline_spec_of(module)[1])
+        inputs, target, _ = pipeline_batch(module, batch, predicting=predicting, spec=pipeline_spec_of(module)[1])
+        return inputs, target
 
     @override
     def model_to_device(self) -> None:

@@ -1,4 +1,4 @@
-"""A small model of the user's own kind (not the reference GPT) that a pipeline can cut, and its module."""
+"""Small models of the user's own kind (not the reference GPT) that a pipeline can cut, and their modules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_scale.core.pipeline import PipelineSpec
 
-__all__ = ["BlockStack", "ListStack", "StackModule", "lm_loss"]
+__all__ = ["BlockStack", "ListStack", "StackModule", "TinyViT", "ViTModule", "lm_loss"]
 
 
 def lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,3 +78,50 @@ class StackModule(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class TinyViT(nn.Module):
+    """A timm-style vision transformer: ``cls_token`` and ``pos_embed`` are parameters of the model
+    itself, outside every module a pipeline spec lists (``patch_embed``, ``blocks``, ``norm``, ``head``)."""
+
+    def __init__(self, image: int = 8, patch: int = 4, channels: int = 3, dim: int = 32, depth: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.patch = patch
+        self.patch_embed = nn.Linear(channels * patch * patch, dim)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True, norm_first=True) for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.patch_embed is not None:  # images in; on later stages, the hidden state
+            p = self.patch
+            patches = x.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)
+            x = self.patch_embed(patches)
+            x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0]) if self.head is not None else x
+
+
+class ViTModule(LightningModule):
+    """Image classification with :class:`TinyViT`, cut where timm's ViTs are cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = TinyViT()
+
+    def pipeline_spec(self) -> tuple[str, PipelineSpec]:
+        blocks = [f"blocks.{i}" for i in range(len(self.vit.blocks))]
+        return "vit", PipelineSpec(blocks=blocks, first=["patch_embed"], last=["norm", "head"], loss_fn=nn.functional.cross_entropy)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.vit(batch[0]), batch[1])
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
