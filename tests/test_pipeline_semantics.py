@@ -146,12 +146,16 @@ def _fit_vit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict
 
 
 def _vit_pipelines(rank: int, world: int, out: str) -> dict[str, Any]:
-    return {
+    runs: dict[str, Any] = {
         schedule: _fit_vit(
             HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, schedule=schedule), world, f"{out}/{schedule}"
         )
         for schedule in ("1f1b", "zbv")  # zbv: two stages per rank, each holding the ViT's own parameters
     }
+    # A buffer of the ViT itself that its forward updates: each stage's copy would drift apart.
+    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=world), max_steps=2, precision="64-true")
+    runs["counting"] = fit_error(trainer, ViTModule(count=True), train_dataloaders=DataLoader(_Images(), batch_size=8))
+    return runs
 
 
 @pytest.mark.slow
@@ -161,6 +165,9 @@ def test_a_vits_own_parameters_train_once_at_pp2_and_its_checkpoint_holds_the_tr
     keep its initial values, and the checkpoint could hold that stale copy)."""
     reference = _fit_vit("auto", 1)
     results = run_distributed(_vit_pipelines, 2, str(tmp_path), timeout=240)
+    for result in results:  # refused on every rank, after the first step, naming the buffer and the fix
+        assert re.search(r"Buffers \['seen'\] of TinyViT lie outside every module its pipeline spec places.*the first training "
+                         r"step changed them.*Put the module that updates them in the spec's first or last", result["counting"]), result["counting"]
     # atol: attention's key bias has an exactly-zero gradient (softmax ignores a shift shared by every
     # key); AdamW scales its rounding noise (~1e-17) up to steps of ~1e-11, differently per layout.
     atol = 1e-10

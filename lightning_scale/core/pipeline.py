@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import linecache
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "removed_module_called",
     "removed_modules",
     "stage_view",
+    "undeclared_buffers",
     "undeclared_parameters",
     "with_registered_forward",
 ]
@@ -195,12 +196,17 @@ def with_registered_forward(root: nn.Module, spec: PipelineSpec) -> PipelineSpec
 def undeclared_parameters(root: nn.Module, spec: PipelineSpec) -> list[str]:
     """Names of ``root``'s parameters outside every module the spec places (parameters set directly
     on ``root``, like a ViT's ``cls_token``, or in a module it does not list): every stage keeps them."""
+    return _undeclared((n for n, _ in root.named_parameters()), spec)
+
+
+def undeclared_buffers(root: nn.Module, spec: PipelineSpec) -> list[str]:
+    """Names of ``root``'s buffers outside every module the spec places: every stage keeps a copy."""
+    return _undeclared((n for n, _ in root.named_buffers()), spec)
+
+
+def _undeclared(names: Iterable[str], spec: PipelineSpec) -> list[str]:
     declared = spec.declared()
-    return [
-        name
-        for name, _ in root.named_parameters()
-        if not any(name.startswith(module + ".") for module in declared)
-    ]
+    return [name for name in names if not any(name.startswith(module + ".") for module in declared)]
 
 
 def _remove(root: nn.Module, name: str, identity: bool = False) -> None:

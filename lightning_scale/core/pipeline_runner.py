@@ -47,6 +47,7 @@ from lightning_scale.core.pipeline import (
     removed_module_called,
     removed_modules,
     stage_view,
+    undeclared_buffers,
     undeclared_parameters,
 )
 from lightning_scale.core.pipeline_loss import MicroBatchLoss
@@ -129,6 +130,8 @@ class PipelineRunner:
             check_ties_for_data_parallel(tied, lambda name: self._stage_of(spec, name), ranks, schedule)
             self._check_shared_for_data_parallel(root)
         keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))
+        # Buffers every stage keeps a copy of must not change in training (checked on the first step).
+        self._shared_buffers: list[str] | None = undeclared_buffers(root, spec)
         self._removed = [n for n in removed_modules(spec, keep, self.is_first, self.is_last) if n not in spec.identity]
         prune_to_stage(root, spec, keep, is_first=self.is_first, is_last=self.is_last)
         # A parameter every stage holds is a weight tied across all of them: its copies' gradients are
@@ -336,10 +339,35 @@ class PipelineRunner:
         extra model inputs, split like ``inputs``, for every stage. With ``sync_grads`` (the last
         micro-step of an accumulation window) the tied and shared copies' gradients are summed.
         """
+        shared = self._shared_buffers
+        before = {n: _local(self._root.get_buffer(n)).detach().clone() for n in shared} if shared is not None else None
         loss = self._run(inputs, target, kwargs or {}, scale, train=True)
         if self.sync_grads:
             self._ties.all_reduce_grads()
+        if before is not None:
+            self._shared_buffers = None
+            self._check_shared_buffers(before)
         return loss
+
+    def _check_shared_buffers(self, before: dict[str, torch.Tensor]) -> None:
+        """Refuse, on every rank, buffers outside the declared modules that the first training step
+        changed: each stage has its own copy, and only the stage that ran the module updates its own."""
+        if not before:  # the same on every rank: the same model
+            return
+        changed = [n for n, value in before.items() if not torch.equal(_local(self._root.get_buffer(n)), value)]
+        flag = torch.tensor(float(bool(changed)), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        names: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, changed)
+        found = sorted({n for part in names for n in part or []})
+        raise ValueError(
+            f"Buffers {found[:4]} of {type(self._root).__name__} lie outside every module its pipeline spec places "
+            "(blocks, first, last), so every stage keeps a copy, and the first training step changed them (a "
+            "running statistic, a counter): the copies now differ and a checkpoint could hold either. Put the "
+            "module that updates them in the spec's first or last (or make it a block)."
+        )
 
     def excluded_from_norm(self) -> set[int]:
         """ids of tied copies that another stage already counts in the global gradient norm."""

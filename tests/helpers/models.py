@@ -84,9 +84,13 @@ class TinyViT(nn.Module):
     """A timm-style vision transformer: ``cls_token`` and ``pos_embed`` are parameters of the model
     itself, outside every module a pipeline spec lists (``patch_embed``, ``blocks``, ``norm``, ``head``)."""
 
-    def __init__(self, image: int = 8, patch: int = 4, channels: int = 3, dim: int = 32, depth: int = 4, classes: int = 10) -> None:
+    def __init__(
+        self, image: int = 8, patch: int = 4, channels: int = 3, dim: int = 32, depth: int = 4, classes: int = 10, count: bool = False
+    ) -> None:
         super().__init__()
         self.patch = patch
+        # count: a buffer of the model itself that its forward updates (images seen), as running statistics are
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long) if count else None)
         self.patch_embed = nn.Linear(channels * patch * patch, dim)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
         self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
@@ -102,6 +106,8 @@ class TinyViT(nn.Module):
             patches = x.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)
             x = self.patch_embed(patches)
             x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
+            if self.seen is not None and self.training:
+                self.seen += len(x)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)[:, 0]) if self.head is not None else x
@@ -110,9 +116,9 @@ class TinyViT(nn.Module):
 class ViTModule(LightningModule):
     """Image classification with :class:`TinyViT`, cut where timm's ViTs are cut."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = False) -> None:
         super().__init__()
-        self.vit = TinyViT()
+        self.vit = TinyViT(count=count)
 
     def pipeline_spec(self) -> tuple[str, PipelineSpec]:
         blocks = [f"blocks.{i}" for i in range(len(self.vit.blocks))]
