@@ -11,19 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from lightning_scale.core.checkpoint_commit import commit, file_entries, staged_name, staging_dir, write_manifest
 from lightning_scale.core.checkpoint_format import (
     MANIFEST,
     CheckpointCorruptError,
     checkpoint_name,
-    commit,
-    file_entries,
     find_checkpoints,
     latest,
     retained,
-    staged_name,
-    staging_dir,
     verify,
-    write_manifest,
 )
 
 
@@ -191,7 +187,7 @@ def _save_tp2(rank: int, world: int, root: str) -> list[str]:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3), "step": 3}
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.ones(3)}
     path = save_sharded(Path(root) / checkpoint_name(3), state, metadata={"global_step": 3}, token="tok")
     return sorted(p.name for p in path.iterdir())
 
@@ -200,7 +196,7 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
     import torch
     from helpers.distributed import run_distributed
 
-    from lightning_scale.core.sharded_checkpoint import load_sharded
+    from lightning_scale.core.sharded_checkpoint import load_sharded, save_sharded
 
     files = run_distributed(_save_tp2, 2, str(tmp_path), timeout=120)[0]
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
@@ -211,9 +207,12 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
     load_sharded(tmp_path / "step-000003", state)
     assert torch.equal(state["w"], torch.arange(32, dtype=torch.float32).reshape(8, 4))
     assert torch.equal(state["b"], torch.ones(3))
-    # DCP pickled the plain value "step"; it is not read back as a tensor, nor unpickled.
     with pytest.raises(KeyError, match=r"has no \['step'\]"):
         load_sharded(tmp_path / "step-000003", {"step": torch.zeros(())})
+    # DCP would pickle anything but a tensor (a BYTE_IO item no load reads): refused before anything is written.
+    with pytest.raises(TypeError, match=r"save_sharded stores tensors only; \['step'\] are ints\. Store other state"):
+        save_sharded(tmp_path / "step-000004", {"w": torch.ones(2), "step": 3}, metadata={}, token="tok")
+    assert not (tmp_path / "step-000004").exists() and not list(tmp_path.glob(".step-000004*"))
     (tmp_path / "step-000003" / "__1_0.distcp").write_bytes(b"x")
     with pytest.raises(CheckpointCorruptError, match=r"__1_0.distcp has 1 bytes"):
         load_sharded(tmp_path / "step-000003", state)

@@ -2,13 +2,18 @@
 
     lightning-scale-ckpt inspect CHECKPOINT [--tensors] [--json]
     lightning-scale-ckpt verify CHECKPOINT_OR_DIRECTORY ...
-    lightning-scale-ckpt consolidate CHECKPOINT OUT [--dtype bf16]
+    lightning-scale-ckpt consolidate CHECKPOINT OUT [--dtype bf16] [--hf]
 
-``consolidate`` writes the whole model's weights as one safetensors file (``OUT.safetensors``), or,
-when ``OUT`` is a directory or the model is a Hugging Face model, ``OUT/model.safetensors`` (HF
-names) with ``OUT/config.json``, so ``from_pretrained(OUT)`` loads it. It streams: one tensor is
-read from the shards, gathered whole and written at a time, so memory stays bounded by the largest
-tensor, not the model.
+``consolidate`` writes the whole model's weights as one safetensors file: ``OUT`` itself when it
+ends in ``.safetensors``, else ``OUT/model.safetensors`` in the directory ``OUT``, with
+``OUT/config.json`` for a Hugging Face model, so ``from_pretrained(OUT)`` loads it (a Hugging Face
+model's tensors get the HF model's names either way; ``--hf`` asks for the directory and refuses a
+checkpoint with no HF model). It streams: one tensor is read from the shards, gathered whole and
+written at a time, so memory stays bounded by the largest tensor, not the model.
+
+Every command checks a checkpoint against its manifest before it reads anything else, and reads
+DCP's metadata only through :mod:`lightning_scale.core.dcp_metadata` (no code a checkpoint chose
+runs, no file its manifest does not list is opened).
 """
 
 from __future__ import annotations
@@ -26,11 +31,17 @@ import torch
 from lightning_scale.core.checkpoint_format import (
     MANIFEST,
     CheckpointCorruptError,
-    find_checkpoints,
+    is_shard_file,
+    scan,
     verify,
 )
 from lightning_scale.core.shard_reader import SafeFileSystemReader
-from lightning_scale.core.sharded_checkpoint import full_tensors_from, read_tensor_metadata
+from lightning_scale.core.sharded_checkpoint import (
+    full_tensors_from,
+    read_tensor_metadata,
+    tensor_entries,
+    verify_distributed,
+)
 from lightning_scale.core.storage import AnyPath, as_path
 
 __all__ = ["consolidate", "inspect", "main"]
@@ -61,10 +72,11 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def inspect(path: AnyPath, *, tensors: bool = False) -> dict[str, Any]:
-    """What a checkpoint holds: the manifest's facts and its tensors by kind (no tensor data is read)."""
+    """What a checkpoint holds: the manifest's facts and its tensors by kind (no tensor data is read;
+    the manifest's files are checked for presence and size, the small ones' checksums too)."""
     path = as_path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    saved = read_tensor_metadata(path)
+    manifest = verify(path, checksums=lambda _, entry: not is_shard_file(entry["path"]))
+    saved = read_tensor_metadata(path, manifest)
     kinds: dict[str, dict[str, int]] = {}
     listing = []
     for key, meta in sorted(saved.items()):
@@ -93,10 +105,8 @@ def inspect(path: AnyPath, *, tensors: bool = False) -> dict[str, Any]:
     return info
 
 
-def _weights(path: AnyPath, prefix: str) -> list[tuple[str, str]]:
+def _weights(manifest: dict[str, Any], saved: dict[str, Any], prefix: str) -> list[tuple[str, str]]:
     """``(checkpoint key, output name)`` of every model tensor, with the tied copies the manifest lists."""
-    manifest = json.loads((path / MANIFEST).read_text())
-    saved = read_tensor_metadata(path)
     names = {key[len(_MODEL) :]: key for key in saved if key.startswith(_MODEL)}
     for group in manifest.get("tied") or []:
         for alias in group[1:]:
@@ -111,30 +121,38 @@ def _weights(path: AnyPath, prefix: str) -> list[tuple[str, str]]:
 
 
 def consolidate(path: AnyPath, out: Path, *, dtype: str | None = None, hf: bool | None = None) -> Path:
-    """Write the checkpoint's whole weights as one safetensors file, one tensor in memory at a time.
+    """Write the checkpoint's whole weights as one safetensors file, one tensor in memory at a time:
+    ``out`` itself when it ends in ``.safetensors``, else ``out/model.safetensors`` (``out`` a directory).
 
-    ``hf`` (default: when the checkpoint records a Hugging Face model): names relative to the HF
-    model, ``config.json`` beside it, ``out`` a directory. Returns the safetensors file written."""
+    A Hugging Face model's tensors are named as in the HF model, and a directory gets its
+    ``config.json`` too. ``hf=True``: that directory (``out`` must not name a ``.safetensors`` file;
+    the checkpoint must hold an HF model); ``False``: the LightningModule's names. Returns the file written."""
     path, out = as_path(path), Path(out)
-    manifest = verify(path)  # every file present and intact before a byte is written
-    metadata = SafeFileSystemReader(path).read_metadata()  # read once for every tensor
-    saved = read_tensor_metadata(path)
+    if dtype is not None and dtype not in _CAST:
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(_CAST)} (or None: as saved).")
+    single = out.suffix == ".safetensors"
+    if hf and single:
+        raise ValueError(
+            f"OUT={str(out)!r} names a .safetensors file, but --hf writes a Hugging Face directory (model.safetensors "
+            "and config.json): name a directory, or drop --hf to write that one file."
+        )
+    manifest = verify_distributed(path)  # every file present and intact, DCP's metadata safe, before a byte is written
+    metadata = SafeFileSystemReader(path, manifest=manifest).read_metadata()  # read once for every tensor
+    saved = tensor_entries(metadata)
     huggingface = manifest.get("huggingface") or None
     hf = huggingface is not None if hf is None else hf
     if hf and huggingface is None:
         raise ValueError(f"{path} holds no Hugging Face model (its manifest records none): drop --hf.")
-    if dtype is not None and dtype not in _CAST:
-        raise ValueError(f"dtype={dtype!r} must be one of {sorted(_CAST)} (or None: as saved).")
     prefix = f"{huggingface['prefix']}." if hf and huggingface["prefix"] else ""
-    items = _weights(path, prefix)
+    items = _weights(manifest, saved, prefix)
     if not items:
         raise ValueError(f"{path} has no model tensors{f' under {prefix!r}' if prefix else ''} to consolidate.")
-    if hf or out.suffix != ".safetensors":
-        out.mkdir(parents=True, exist_ok=True)
-        file = out / "model.safetensors"
-    else:
+    if single:
         out.parent.mkdir(parents=True, exist_ok=True)
         file = out
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        file = out / "model.safetensors"
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "global_step": str(manifest.get("global_step"))}}
     offset = 0
     plan = []
@@ -161,20 +179,25 @@ def consolidate(path: AnyPath, out: Path, *, dtype: str | None = None, hf: bool 
             f.write(data)  # the tensor's own bytes, no copy
             del tensor, data
     tmp.replace(file)
-    if hf:
+    if hf and not single:
         config = dict(huggingface["config"])
         (out / "config.json").write_text(json.dumps(config, indent=2))
     return file
 
 
 def _verify_all(targets: Sequence[str]) -> int:
+    """``verify``: every checkpoint under each target (a checkpoint, or a directory of them), every file
+    against its checksum and DCP's metadata against the rules of a load; every directory that looks
+    like a checkpoint but is not one (no manifest, an unreadable one) is reported too. 1 if any is broken."""
     status = 0
     for target in map(as_path, targets):
-        # A directory holding checkpoints, or one checkpoint (or what is left of one).
-        paths = [c.path for c in find_checkpoints(target)] if not (target / MANIFEST).is_file() else []
-        for path in paths or [target]:
+        good, bad = ([], []) if (target / MANIFEST).is_file() else scan(target)
+        for path, why in bad:
+            print(f"BROKEN {path}: not a checkpoint: {why}")
+            status = 1
+        for path in [c.path for c in good] or ([] if bad else [target]):
             try:
-                manifest = verify(path)
+                manifest = verify_distributed(path)
             except CheckpointCorruptError as err:
                 print(f"BROKEN {path}: {err}")
                 status = 1
@@ -196,12 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("out", help="OUT.safetensors, or a directory (model.safetensors + config.json for HF models)")
     p.add_argument("--dtype", choices=sorted(_CAST), default=None, help="cast floating-point weights")
+    p.add_argument(
+        "--hf", action="store_true", default=None, help="a Hugging Face directory (model.safetensors + config.json)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "verify":
             return _verify_all(args.paths)
         if args.command == "inspect":
-            verify(as_path(args.checkpoint), checksums=False)
             info = inspect(args.checkpoint, tensors=args.tensors)
             if args.json:
                 print(json.dumps(info, indent=2))
@@ -212,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for t in info.get("tensors", []):
                     print(f"  {t['key']}  {t['dtype']}{t['shape']}")
             return 0
-        file = consolidate(args.checkpoint, Path(args.out), dtype=args.dtype)
+        file = consolidate(args.checkpoint, Path(args.out), dtype=args.dtype, hf=args.hf)
         print(f"wrote {file}")
         return 0
     except (CheckpointCorruptError, ValueError, OSError) as err:

@@ -1,8 +1,10 @@
 """Reading DCP checkpoints: safely (no code a checkpoint chose runs), quickly, and verified as read.
 
 - :class:`SafeFileSystemReader`: DCP's reader (its fsspec one for a URL) whose ``.metadata`` is read
-  by an unpickler that knows only DCP's metadata classes; :class:`TensorsOnlyLoadPlanner` refuses
-  pickled items, so a load unpickles nothing arbitrary.
+  only once the manifest vouches for it, by an unpickler that resolves only DCP's own classes, and
+  checked before DCP uses it (:mod:`lightning_scale.core.dcp_metadata`: every file it points to
+  listed in the manifest, no pickled item); :class:`TensorsOnlyLoadPlanner` refuses pickled items
+  too, so a load unpickles nothing a checkpoint chose and opens no file its manifest does not list.
 - :class:`ShardReader`: DCP's ``read_data`` (one ``torch.load`` per item from a file view, each
   file read once for the items and once more to verify it) redone: each file's items are read in
   offset order with large reads, the next read running while this item is decoded, and every
@@ -17,7 +19,6 @@ No Lightning, no process group.
 from __future__ import annotations
 
 import io
-import pickle
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -31,45 +32,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lightning_scale.core.checkpoint_format import (
-    MANIFEST,
-    CheckpointCorruptError,
-    entry_checksum,
-)
+from lightning_scale.core.checkpoint_format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
 from lightning_scale.core.checksums import StreamHash, thread_pool
+from lightning_scale.core.dcp_metadata import METADATA, read_metadata
 from lightning_scale.core.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
 from lightning_scale.core.storage import AnyPath, RemotePath, as_path
 
 __all__ = ["SafeFileSystemReader", "ShardReader", "TensorsOnlyLoadPlanner", "dcp_filesystem", "dcp_id"]
-
-_METADATA = ".metadata"
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only what DCP's ``Metadata`` is made of: its own dataclasses, sizes, dtypes and layouts."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointCorruptError(
-            f"The checkpoint's DCP metadata refers to {module}.{name}, which DCP metadata never holds: refusing to "
-            "unpickle it (a checkpoint must not run code when it is loaded)."
-        )
-
 
 def dcp_filesystem(path: AnyPath) -> Any:
     """DCP's filesystem layer for ``path``: its local one, or its fsspec one for a URL."""
@@ -86,33 +55,36 @@ def dcp_id(path: AnyPath) -> Any:
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` (its fsspec reader for a URL) whose metadata is read by
-    :class:`_MetadataUnpickler` (``metadata``: read already, e.g. for many loads from one checkpoint)."""
+    :func:`~lightning_scale.core.dcp_metadata.read_metadata`: only once the manifest vouches for it,
+    by an unpickler that resolves nothing but DCP's own classes, and checked (every file it points
+    to listed in the manifest, no pickled item) before DCP sees it. ``metadata``: read that way
+    already (e.g. for many loads from one checkpoint); ``manifest``: the checkpoint's, read already."""
 
-    def __init__(self, path: Any, metadata: Metadata | None = None) -> None:
+    def __init__(self, path: Any, metadata: Metadata | None = None, manifest: Mapping[str, Any] | None = None) -> None:
         path = as_path(path)
         super().__init__(".")
         self.fs = dcp_filesystem(path)
         self.path = self.fs.init_path(dcp_id(path))
-        self._metadata = metadata
+        self._checkpoint, self._metadata, self._manifest = path, metadata, manifest
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
-            self.fs = dcp_filesystem(as_path(checkpoint_id))
-            checkpoint_id = dcp_id(as_path(checkpoint_id))
+            checkpoint = as_path(checkpoint_id)
+            self.fs = dcp_filesystem(checkpoint)
+            checkpoint_id = dcp_id(checkpoint)
             if checkpoint_id != self.path:
-                self._metadata = None
+                self._checkpoint, self._metadata, self._manifest = checkpoint, None, None
         super().reset(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
         if self._metadata is not None and rank is None:
             metadata = self._metadata
         else:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptError(f"{path} does not hold DCP metadata.")
+            if self._manifest is None:
+                self._manifest = read_manifest(self._checkpoint)
+            name = METADATA if rank is None else f"__{rank}{METADATA}"  # DCP's names (rank: no-collectives loads)
+            metadata = read_metadata(self._checkpoint, self._manifest, name=name)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -142,9 +114,13 @@ class ShardReader(SafeFileSystemReader):
     """
 
     def __init__(
-        self, path: Any, expected: Mapping[str, Mapping[str, Any]] | None = None, metadata: Metadata | None = None
+        self,
+        path: Any,
+        expected: Mapping[str, Mapping[str, Any]] | None = None,
+        metadata: Metadata | None = None,
+        manifest: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(path, metadata)
+        super().__init__(path, metadata, manifest)
         self.expected = dict(expected or {})
         self.hashed: list[str] = []
 

@@ -10,15 +10,16 @@ first (every rank checksums a share of the files), then DCP reads into the calle
 resharding to whatever layout they describe.
 
 Safety: DCP's reader unpickles ``.metadata`` and any non-tensor item; here the metadata is read
-with an unpickler that knows only DCP's metadata classes, and a non-tensor item is refused, so
-loading a checkpoint runs no code its author chose.
+only once the manifest vouches for it, by an unpickler that resolves nothing but DCP's own classes,
+and checked before use (:mod:`lightning_scale.core.dcp_metadata`): a non-tensor item is refused and
+every file it names must be listed in the manifest. Loading a checkpoint runs no code its author
+chose and opens no file its manifest does not vouch for.
 
 Collectives: with a process group every rank must call these, with the same arguments.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -30,18 +31,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_scale.core.checkpoint_format import (
-    MANIFEST,
-    CheckpointCorruptError,
-    clear_in_place,
-    commit,
-    file_entries,
-    is_shard_file,
-    staging_dir,
-    verify,
-    write_manifest,
-)
+from lightning_scale.core.checkpoint_commit import clear_in_place, commit, file_entries, staging_dir, write_manifest
+from lightning_scale.core.checkpoint_format import CheckpointCorruptError, is_shard_file, read_manifest, verify
 from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
+from lightning_scale.core.dcp_metadata import METADATA, read_metadata
 from lightning_scale.core.shard_reader import (
     SafeFileSystemReader,
     ShardReader,
@@ -58,14 +51,12 @@ __all__ = [
     "distributed",
     "load_sharded",
     "read_tensor_metadata",
+    "tensor_entries",
     "check_unhashed",
     "full_tensors_from",
     "save_sharded",
     "verify_distributed",
 ]
-
-_METADATA = ".metadata"
-
 
 def distributed(group: dist.ProcessGroup | None) -> bool:
     """True when ``group`` (None: the world) spans more than this process."""
@@ -88,9 +79,14 @@ def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def read_tensor_metadata(path: AnyPath) -> dict[str, TensorStorageMetadata]:
-    """Every tensor a DCP checkpoint holds: its key, global size and dtype (``.properties.dtype``)."""
-    metadata = SafeFileSystemReader(path).read_metadata()
+def read_tensor_metadata(path: AnyPath, manifest: Mapping[str, Any] | None = None) -> dict[str, TensorStorageMetadata]:
+    """Every tensor a DCP checkpoint holds: its key, global size and dtype (``.properties.dtype``),
+    from its metadata read safely (:func:`~lightning_scale.core.dcp_metadata.read_metadata`;
+    ``manifest``: the checkpoint's, read already)."""
+    return tensor_entries(SafeFileSystemReader(path, manifest=manifest).read_metadata())
+
+
+def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -112,6 +108,13 @@ def save_sharded(
     ``writer``: a DCP writer to reuse (its path is reset to the staging directory). ``checksum``: the
     manifest's algorithm, one of ``CHECKSUMS`` (a :class:`StagingWriter` hashes with it as it writes)."""
     checksum = check_checksum(checksum)
+    stray = [k for k, v in tensors.items() if not isinstance(v, Tensor)]
+    if stray:
+        # DCP would pickle them (BYTE_IO items), which no lightning-scale load reads.
+        raise TypeError(
+            f"save_sharded stores tensors only; {stray[:5]} are {type(tensors[stray[0]]).__name__}s. Store other "
+            "state as a file (files=...) or as a tensor."
+        )
     final = as_path(final)
     staging = staging_dir(final, token)
     multi = distributed(group)
@@ -168,7 +171,7 @@ def finish_sharded(
             write_durable(staging / name, data)
         mine = sorted(p.name for p in staging.glob(f"__{rank}_*")) + list(files or {})
         if rank == 0:
-            mine.append(_METADATA)
+            mine.append(METADATA)
         result = file_entries(staging, mine, known=digests, checksum=checksum)
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         result = f"rank {rank}: {type(err).__name__}: {err}"
@@ -189,8 +192,10 @@ def finish_sharded(
 
 
 def verify_distributed(path: AnyPath, *, group: dist.ProcessGroup | None = None, shards: bool = True) -> dict[str, Any]:
-    """:func:`verify` with the checksum work shared: every rank hashes every ``world``-th file and
-    checks the others' presence and size. A problem found anywhere is raised on every rank.
+    """:func:`verify` with the checksum work shared (every rank hashes every ``world``-th file and
+    checks the others' presence and size), and DCP's metadata checked (rank 0:
+    :func:`~lightning_scale.core.dcp_metadata.read_metadata`). A problem found anywhere is raised on
+    every rank.
     ``shards=False``: the DCP data files are checked for presence and size only (a load hashes them
     as it reads them: :func:`load_sharded`)."""
     path = as_path(path)
@@ -201,6 +206,8 @@ def verify_distributed(path: AnyPath, *, group: dist.ProcessGroup | None = None,
         manifest = verify(
             path, checksums=lambda index, entry: index % world == rank and (shards or not is_shard_file(entry["path"]))
         )
+        if rank == 0:  # DCP's metadata: readable safely, naming only files the manifest lists, no pickled item
+            read_metadata(path, manifest)
     except CheckpointCorruptError as err:
         problem = str(err)
     _raise_everywhere(problem, group)
@@ -284,15 +291,16 @@ def load_sharded(
     checked the manifest and small files (:func:`verify_distributed` with ``shards=False``);
     ``True``: everything was checked."""
     path = as_path(path)
-    manifest: Mapping[str, Any] | None = None
-    if verified is False:
-        manifest = verify_distributed(path, group=group, shards=False)
-    elif verified == "files":
-        manifest = json.loads((path / MANIFEST).read_text())
-    saved = read_tensor_metadata(path)
-    missing = [k for k in state if k not in saved]
+    manifest = verify_distributed(path, group=group, shards=False) if verified is False else read_manifest(path)
+    hash_shards = verified is not True
     problem: tuple[str, str] | None = None
-    if missing and strict:
+    try:
+        metadata: Metadata | None = read_metadata(path, manifest)
+    except CheckpointCorruptError as err:  # raised on every rank below, before any collective of DCP's
+        metadata, problem = None, ("CheckpointCorruptError", str(err))
+    saved = tensor_entries(metadata) if metadata is not None else {}
+    missing = [k for k in state if k not in saved]
+    if missing and strict and problem is None:
         problem = ("KeyError", (
             f"The checkpoint {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} entries "
             "missing). Load it into the model it was saved from, or non-strictly (LightningModule.strict_loading=False)."
@@ -305,11 +313,12 @@ def load_sharded(
             ))  # fmt: skip
     problem = next((p for p in _gather(problem, group) if p is not None), None)
     if problem is not None:
-        raise (KeyError if problem[0] == "KeyError" else ValueError)(problem[1])
+        kinds = {"KeyError": KeyError, "ValueError": ValueError, "CheckpointCorruptError": CheckpointCorruptError}
+        raise kinds[problem[0]](problem[1])
     request = {k: v for k, v in state.items() if k in saved}
-    reader = ShardReader(path, expected=_shard_entries(manifest) if manifest is not None else None)
+    reader = ShardReader(path, expected=_shard_entries(manifest) if hash_shards else None, metadata=metadata)
     _read(path, request, reader, group, partial=True)
-    if manifest is not None:
+    if hash_shards:
         check_unhashed(path, manifest, reader.hashed, group)
     return missing
 
@@ -325,8 +334,8 @@ def full_tensors_from(
     ``manifest`` (its small files checked already): the shard files are hashed as they are read, and
     the rest after, as in :func:`load_sharded`. ``metadata``: DCP's, read once for many calls."""
     path = as_path(path)
-    metadata = metadata if metadata is not None else SafeFileSystemReader(path).read_metadata()
-    saved = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    metadata = metadata if metadata is not None else SafeFileSystemReader(path, manifest=manifest).read_metadata()
+    saved = tensor_entries(metadata)
     keys = list(saved) if keys is None else keys
     out = {k: torch.empty(tuple(saved[k].size), dtype=saved[k].properties.dtype) for k in keys}
     expected = _shard_entries(manifest) if manifest is not None else None

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_scale.core.checkpoint_format import CheckpointCorruptError, read_listed
 from lightning_scale.core.checkpoint_state import decode, encode
 from lightning_scale.core.sharded_checkpoint import full_tensors_from
 from lightning_scale.core.storage import AnyPath
@@ -20,10 +21,14 @@ __all__ = [
     "MODEL",
     "OPTIM",
     "TRAINER_STATE",
+    "add_optimizer_layout",
     "flatten_template",
+    "json_bytes",
     "load_whole",
+    "optimizer_layout",
     "restored_optimizer",
     "split_checkpoint",
+    "versions",
 ]
 
 TRAINER_STATE = "trainer_state.json"
@@ -33,7 +38,8 @@ _LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
 
 def split_checkpoint(checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str, Tensor], Any]:
     """``(tensors, doc)``: every tensor of a Lightning checkpoint under a flat key, and the JSON of the rest
-    (a plain tensor of that rest is kept from rank 0 only, as Lightning saves rank 0's state)."""
+    (a plain tensor of that rest is kept from rank 0 only, as Lightning saves rank 0's state).
+    :func:`optimizer_layout` is this rank's part of what the doc needs besides (:func:`add_optimizer_layout`)."""
     tensors: dict[str, Tensor] = {}
     for name, value in (checkpoint.get("state_dict") or {}).items():
         if not isinstance(value, Tensor):
@@ -70,19 +76,92 @@ def split_checkpoint(checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str
 
 
 
-def load_whole(path: AnyPath, manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Every tensor of the checkpoint whole, on the CPU, in the structure Lightning's checkpoints have.
-    ``manifest``: hash the shard files as they are read (:func:`full_tensors_from`)."""
-    loaded = full_tensors_from(path, manifest=manifest)
-    checkpoint = decode(json.loads((path / TRAINER_STATE).read_text()), loaded)
+def optimizer_layout(checkpoint: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """This rank's part of what a whole load needs to give each optimizer's state in torch's own form
+    (``state`` by parameter index): per optimizer, the parameter names of each group in order, and
+    which state entries are Python numbers (the shards hold them as 0-d tensors)."""
+    out = []
+    for state in checkpoint.get("optimizer_states") or []:
+        numbers = {
+            f"{fqn}/{key}": "int" if isinstance(value, int) else "float"
+            for fqn, entries in state.get("state", {}).items()
+            for key, value in entries.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        out.append({"params": [list(g.get("params", [])) for g in state.get("param_groups", [])], "numbers": numbers})
+    return out
+
+
+def add_optimizer_layout(doc: Any, parts: list[list[dict[str, Any]]]) -> None:
+    """Every rank's :func:`optimizer_layout` (in rank order) into the doc's optimizers: a group's names
+    are each rank's in turn, first occurrence kept, so a pipeline's stages follow one another (mesh
+    ``(dp, pp, tp)``: the ranks of one replica in stage order) and replicas add nothing."""
+    optimizers = doc.get("optimizer_states") if isinstance(doc, dict) else None
+    for i, optimizer in enumerate(optimizers or []):
+        groups: list[list[str]] = []
+        numbers: dict[str, str] = {}
+        for part in parts:
+            if i >= len(part):
+                continue
+            for g, names in enumerate(part[i]["params"]):
+                while len(groups) <= g:
+                    groups.append([])
+                groups[g].extend(n for n in names if n not in groups[g])
+            numbers.update(part[i]["numbers"])
+        optimizer["param_names"], optimizer["numbers"] = groups, numbers
+
+
+def load_whole(path: AnyPath, manifest: Mapping[str, Any], *, hash_shards: bool = True) -> dict[str, Any]:
+    """Every tensor of the checkpoint whole, on the CPU, in the structure ``torch.load`` gives for
+    Lightning's ``.ckpt`` (optimizer states as ``optimizer.state_dict()`` gives them; the parameter
+    names of each optimizer's groups under ``["lightning_scale"]["optimizer_param_names"]``).
+    ``manifest``: the checkpoint's, its small files checked already; ``hash_shards``: hash the shard
+    files as they are read (:func:`full_tensors_from`)."""
+    loaded = full_tensors_from(path, manifest=manifest if hash_shards else None)
+    checkpoint = decode(json.loads(read_listed(path, manifest, TRAINER_STATE)), loaded)
     checkpoint["state_dict"] = state = {k[len(MODEL) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{MODEL}/")}
-    for names in json.loads((path / "manifest.json").read_text()).get("tied") or []:
+    for names in manifest.get("tied") or []:
         for alias in names[1:]:
             if names[0] in state:
                 state[alias] = state[names[0]]  # one tensor under every name, as the module shares it
-    for i, state in enumerate(checkpoint.get("optimizer_states") or []):
-        state["state"] = unflatten_optimizer(loaded, i)
+    names = []
+    for i, optimizer in enumerate(checkpoint.get("optimizer_states") or []):
+        by_name = unflatten_optimizer(loaded, i)
+        if "param_names" in optimizer:
+            names.append(optimizer["param_names"])
+            checkpoint["optimizer_states"][i] = _torch_optimizer_state(path, by_name, optimizer)
+        else:  # written before parameter orders were recorded: state by parameter name, groups without "params"
+            names.append(None)
+            optimizer["state"] = by_name
+    checkpoint["lightning_scale"] = {"optimizer_param_names": names}
     return checkpoint
+
+
+def _torch_optimizer_state(
+    path: AnyPath, by_name: dict[str, dict[str, Tensor]], saved: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()``'s form: parameters numbered across the groups in order, ``state`` by number."""
+    names = [n for group in saved["param_names"] for n in group]
+    index = {n: i for i, n in enumerate(names)}
+    stray = sorted(set(by_name) - set(index))
+    if stray or len(saved["param_names"]) != len(saved["param_groups"]):
+        raise CheckpointCorruptError(
+            f"{path / TRAINER_STATE}: the optimizer's parameter groups do not cover its state ({stray[:3]} have no group)."
+        )
+    numbers = saved.get("numbers") or {}
+    state: dict[int, dict[str, Any]] = {}
+    for name in sorted(by_name, key=index.__getitem__):
+        entries: dict[str, Any] = dict(by_name[name])
+        for key, value in entries.items():
+            kind = numbers.get(f"{name}/{key}")
+            if kind is not None:  # a Python number in the optimizer, a 0-d tensor in the shards
+                entries[key] = int(value.item()) if kind == "int" else float(value.item())
+        state[index[name]] = entries
+    groups = [
+        {**hyper, "params": [index[n] for n in group]}
+        for hyper, group in zip(saved["param_groups"], saved["param_names"])
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def hyper_parameters_of(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,3 +221,23 @@ def unflatten_optimizer(loaded: Mapping[str, Tensor], index: int) -> dict[str, d
             fqn, _, name = key[len(prefix) :].rpartition("/")
             state.setdefault(fqn, {})[name] = value
     return state
+
+
+def json_bytes(doc: Any) -> bytes:
+    """A checkpoint's JSON file: strict JSON (no NaN: :mod:`~lightning_scale.core.checkpoint_state` tags those)."""
+    return json.dumps(doc, allow_nan=False).encode()
+
+
+def versions(checkpoint: Mapping[str, Any]) -> dict[str, str]:
+    """The package, torch and Lightning versions a manifest records."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("lightning-scale")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {
+        "lightning_scale": ours,
+        "torch": torch.__version__,
+        "lightning": str(checkpoint.get("pytorch-lightning_version", "")),
+    }

@@ -12,48 +12,44 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_scale.core.checkpoint_format import (
-    MANIFEST,
-    CheckpointCorruptError,
-    clear_in_place,
-    find_checkpoints,
-    is_shard_file,
-    retained,
-    scan,
-    verify,
-)
-from lightning_scale.core.checkpoint_state import decode
+from lightning_scale.core.checkpoint_format import CheckpointCorruptError, retained
 from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
-from lightning_scale.core.sharded_checkpoint import (
-    StagingWriter,
-    distributed,
-    load_sharded,
-    read_tensor_metadata,
-    save_sharded,
-    verify_distributed,
-)
-from lightning_scale.core.storage import AnyPath, RemotePath, as_path, is_url, replace, rmtree
+from lightning_scale.core.sharded_checkpoint import StagingWriter, distributed, save_sharded, verify_distributed
+from lightning_scale.core.storage import AnyPath, as_path
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
-    MODEL,
     TRAINER_STATE,
-    flatten_template,
-    load_whole,
-    restored_optimizer,
+    add_optimizer_layout,
+    json_bytes,
+    optimizer_layout,
     split_checkpoint,
+    versions,
+)
+from lightning_scale.plugins._checkpoint_load import (
+    load_from_checkpoint,
+    load_full_checkpoint,
+    load_into,
+    rank_file,
+    read_whole,
+)
+from lightning_scale.plugins._checkpoint_selection import (
+    candidates,
+    new_run_id,
+    prune,
+    remove_dir,
+    restarted,
+    run_id_from_environment,
 )
 from lightning_scale.plugins._rng import collect_rng_states
 
@@ -62,19 +58,11 @@ __all__ = [
     "ShardedCheckpointIO",
     "load_from_checkpoint",
     "load_full_checkpoint",
+    "restarted",
 ]
 
 PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
 _AUTO_RESUME = (True, False, "on_restart")
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
-
-
-def restarted() -> bool:
-    """This process is a relaunch: torchrun's ``--max-restarts`` or a requeued SLURM job."""
-    return any(int(os.environ.get(v, "0") or 0) > 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -87,14 +75,20 @@ class ShardedCheckpointIO(CheckpointIO):
     and reading only what it holds; a checkpoint saved at one layout loads at any other.
 
     Args:
-        keep_last: after each save, delete all but the newest ``keep_last`` checkpoints in the same
-            directory (None: keep everything; ``ModelCheckpoint(save_top_k=...)`` still applies).
+        keep_last: after each save, delete all but the newest ``keep_last`` of this run's checkpoints
+            in the same directory (None: keep everything; ``ModelCheckpoint(save_top_k=...)`` still
+            applies). Another run's checkpoints there are never deleted.
         keep_every: with ``keep_last``, also keep every checkpoint whose step is a multiple of it.
-            The checkpoint the run resumed from is never deleted, nor the newest that verifies.
-        auto_resume: when ``Trainer.fit`` gets no ``ckpt_path``, resume from ``"latest"`` (the newest
-            checkpoint that verifies, in the ``ModelCheckpoint`` directories and ``dirpath``):
+            The checkpoint the run resumed from is never deleted, nor the run's newest full one.
+        auto_resume: when ``Trainer.fit`` gets no ``ckpt_path``, resume from ``"latest"`` (in the
+            ``ModelCheckpoint`` directories and ``dirpath``: this run's newest full checkpoint that
+            verifies, or, when this run has none, the most recently committed one):
             ``"on_restart"`` (default) when the process is a relaunch (torchrun ``--max-restarts``,
             a requeued SLURM job), ``True`` always, ``False`` never.
+        run_id: the id every manifest records as this run's (``"latest"`` and retention go by it);
+            default: the launcher's job id (torchrun ``--rdzv-id``, SLURM's job id), which restarts
+            keep, else a new id per process. A fit resumed through ``"latest"`` continues the
+            checkpoint's run: retention then counts that run's checkpoints as this one's.
         dirpath: another directory ``"latest"`` looks in (where a preemption checkpoint goes when
             there is no ``ModelCheckpoint``).
         async_save: ``save_checkpoint`` returns once this rank's tensors are copied into host buffers
@@ -121,9 +115,11 @@ class ShardedCheckpointIO(CheckpointIO):
     place and its manifest, one object written last, commits it; a directory without it is not a
     checkpoint. Saving again under the same name (``last``) deletes the old one first.
 
-    Loading reads no pickles: non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint_state`),
-    DCP's own metadata is read by a restricted unpickler, and a file a manifest lists outside its
-    directory is refused.
+    Loading runs no code a checkpoint chose and reads only what its manifest vouches for:
+    non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint_state`), DCP's own metadata is
+    read by an unpickler that resolves only DCP's classes (:mod:`lightning_scale.core.dcp_metadata`),
+    a pickled item is refused, and every file read must be listed in the manifest, with its checksum,
+    inside the checkpoint directory.
     """
 
     def __init__(
@@ -139,6 +135,7 @@ class ShardedCheckpointIO(CheckpointIO):
         checksum: str = DEFAULT_CHECKSUM,
         metadata: Mapping[str, Any] | None = None,
         fsspec_options: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if keep_last is not None:
             retained([], keep_last=keep_last, keep_every=keep_every)  # validates both
@@ -153,9 +150,16 @@ class ShardedCheckpointIO(CheckpointIO):
                 json.dumps(dict(metadata))
             except TypeError as err:
                 raise TypeError(f"metadata must hold JSON values only: {err}") from None
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise TypeError(f"run_id={run_id!r} must be a non-empty string (or None: the launcher's job id).")
         if fsspec_options is not None and not isinstance(fsspec_options, Mapping):
             raise TypeError(f"fsspec_options={fsspec_options!r} must be a mapping (fsspec's storage options) or None.")
         self.fsspec_options = dict(fsspec_options or {})
+        self.run_id: str = run_id or run_id_from_environment() or new_run_id()
+        """What this run's manifests record as its id (rank 0's is the one written and compared)."""
+        self.lineage: list[str] = []
+        """The earlier runs this one continues (it resumed one of their checkpoints through ``"latest"``):
+        retention counts their checkpoints as this run's."""
         self.keep_last, self.keep_every = keep_last, keep_every
         self.auto_resume = auto_resume
         self.dirpath = self.as_path(dirpath) if dirpath is not None else None
@@ -219,21 +223,28 @@ class ShardedCheckpointIO(CheckpointIO):
             tensors, doc, problem = *split_checkpoint(checkpoint, rank), ""
         except TypeError as err:
             tensors, doc, problem = {}, None, f"rank {rank}: {err}"
+        parts: list[Any] = [(problem, optimizer_layout(checkpoint))]
         if distributed(self.process_group):
-            # Every rank learns of a state that cannot be saved before any rank enters DCP's collectives.
-            problems: list[Any] = [None] * dist.get_world_size(self.process_group)
-            dist.all_gather_object(problems, problem, group=self.process_group)
-            problem = next((p for p in problems if p), "")
+            # Every rank learns of a state that cannot be saved before any rank enters DCP's collectives;
+            # rank 0 learns every rank's parameter order (a pipeline stage holds only its own).
+            parts = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(parts, (problem, optimizer_layout(checkpoint)), group=self.process_group)
+        problem = next((p for p, _ in parts if p), "")
         if problem:
             raise TypeError(problem)
-        files = {_rank_file(rank): _json_bytes({"rank": rank, "rng": collect_rng_states()})}
+        add_optimizer_layout(doc, [layout for _, layout in parts])
+        files = {rank_file(rank): json_bytes({"rank": rank, "rng": collect_rng_states()})}
         if rank == 0:
-            files[TRAINER_STATE] = _json_bytes(doc)
+            files[TRAINER_STATE] = json_bytes(doc)
         metadata = {
             "global_step": int(checkpoint.get("global_step", 0)),
             "epoch": int(checkpoint.get("epoch", 0)),
             "world_size": dist.get_world_size(self.process_group) if distributed(self.process_group) else 1,
-            "versions": _versions(checkpoint),
+            "versions": versions(checkpoint),
+            "run_id": self.run_id,
+            "continues": self.lineage,
+            # Lightning leaves the optimizers out of a weights-only save: such a checkpoint cannot resume fit.
+            "weights_only": "optimizer_states" not in checkpoint,
             **dict(storage_options or {}),
             "metadata": self.metadata,
         }
@@ -290,20 +301,18 @@ class ShardedCheckpointIO(CheckpointIO):
             pending.result()
 
     def apply_retention(self, root: AnyPath) -> list[AnyPath]:
-        """Delete the checkpoints in ``root`` beyond ``keep_last``/``keep_every`` (rank 0 only); returns them."""
+        """Delete this run's checkpoints in ``root`` beyond ``keep_last``/``keep_every`` (rank 0 only);
+        returns them. Another run's, the resumed-from and the run's newest full checkpoint are kept."""
         assert self.keep_last is not None
-        good = []
-        for c in find_checkpoints(root):
-            try:
-                verify(c.path, checksums=False)
-                good.append(c)
-            except CheckpointCorruptError:
-                continue  # a broken checkpoint is not counted, nor deleted: `latest` warns about it
         protect = [self.resumed_from] if self.resumed_from is not None else []
-        _, delete = retained(good, keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)
-        for c in delete:
-            _remove_dir(c.path)
-        return [c.path for c in delete]
+        runs = {self.run_id, *self.lineage}
+        return prune(root, run_ids=runs, keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)
+
+    def continue_run(self, manifest: Mapping[str, Any]) -> None:
+        """This run resumed the checkpoint of ``manifest`` through ``"latest"``: it continues that
+        checkpoint's run (and the runs that one continued), whose checkpoints retention now counts."""
+        earlier = [manifest.get("run_id"), *(manifest.get("continues") or [])]
+        self.lineage = list(dict.fromkeys(r for r in earlier if isinstance(r, str) and r and r != self.run_id))
 
     # ------------------------------------------------------------------ load
 
@@ -327,52 +336,12 @@ class ShardedCheckpointIO(CheckpointIO):
         must be in the checkpoint. Collective when a process group is set.
         """
         self.wait()
-        if template is None:
-            # One process reading a checkpoint whole: no collectives.
-            path = self.as_path(path)
-            # The small files now; the shards are hashed as they are read.
-            manifest = None if verified else verify(path, checksums=lambda _, entry: not is_shard_file(entry["path"]))
-            checkpoint, rank = load_whole(path, manifest), 0
-        else:
-            path = self.as_path(self._broadcast(str(path)))
-            check = not verified and str(path) != self._just_verified
-            if check:
-                verify_distributed(path, group=self.process_group, shards=False)
-            self._just_verified = None
-            checkpoint, rank = self._load_into(path, template, strict, check), self._rank()
-        rank_file = path / _rank_file(rank)
-        checkpoint["lightning_scale"] = {
-            "path": str(path),
-            "manifest": json.loads((path / MANIFEST).read_text()),
-            "rng": json.loads(rank_file.read_text())["rng"] if rank_file.is_file() else None,
-        }
-        return checkpoint
-
-    def _load_into(self, path: AnyPath, template: Mapping[str, Any], strict: bool, check: bool) -> dict[str, Any]:
-        saved = read_tensor_metadata(path)
-        extras = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith(f"{EXTRA}/")
-        }
-        doc = json.loads((path / TRAINER_STATE).read_text())
-        if "optimizer_states" not in doc:
-            # Saved with weights only: Lightning itself says so if it wants the optimizers' state.
-            template = {k: v for k, v in template.items() if k != "optimizer_states"}
-        flat, numbers = flatten_template(template)
-        verified = "files" if check else True  # "files": hash the shards as they are read
-        missing = load_sharded(path, {**flat, **extras}, group=self.process_group, strict=strict, verified=verified)
-        checkpoint = decode(doc, extras)
-        checkpoint["state_dict"] = {
-            k: v for k, v in (template.get("state_dict") or {}).items() if f"{MODEL}/{k}" not in missing
-        }
-        if "optimizer_states" in template:
-            saved_optimizers = checkpoint.get("optimizer_states") or []
-            checkpoint["optimizer_states"] = [
-                restored_optimizer(
-                    state, i, saved_optimizers[i]["param_groups"] if i < len(saved_optimizers) else None, numbers
-                )
-                for i, state in enumerate(template["optimizer_states"])
-            ]
-        return checkpoint
+        if template is None:  # one process reading a checkpoint whole: no collectives
+            return read_whole(self.as_path(path), verified=verified)
+        path = self.as_path(self._broadcast(str(path)))
+        check = not verified and str(path) != self._just_verified
+        self._just_verified = None
+        return load_into(path, template, group=self.process_group, strict=strict, verified=not check)
 
     # ------------------------------------------------------------------ latest, removal
 
@@ -384,21 +353,20 @@ class ShardedCheckpointIO(CheckpointIO):
                 out.append(self.as_path(root))
         return out
 
-    def latest(self, roots: Iterable[Any]) -> AnyPath | None:
-        """The newest checkpoint under ``roots`` that verifies (collective: rank 0 lists them, every rank
-        checksums a share); each broken one passed over gets a warning naming it."""
+    def latest(self, roots: Iterable[Any], *, weights_only: bool = False) -> AnyPath | None:
+        """The checkpoint ``"latest"`` names under ``roots`` (collective: rank 0 lists them, every rank
+        checksums a share): this run's newest that verifies (:attr:`run_id`, and the runs it continues),
+        else, when this run has none, the most recently committed one that verifies. Weights-only
+        checkpoints only with ``weights_only`` (what ``validate``/``test``/``predict`` need). Each
+        broken one passed over, and each directory that looks like a checkpoint but is not one, gets
+        a warning naming it."""
         self.wait()
-        candidates: list[str] = []
+        found: list[str] = []
         if self._rank() == 0:
-            found = []
-            for root in self.search_roots(roots):
-                good, bad = scan(root)
-                found.extend(good)
-                for path, why in bad:
-                    warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=2)
-            found.sort(key=lambda c: (c.step, float(c.manifest.get("created_unix_s", 0.0))))
-            candidates = [str(c.path) for c in reversed(found)]
-        for candidate in self._broadcast(candidates):
+            roots = self.search_roots(roots)
+            runs = {self.run_id, *self.lineage}
+            found = [str(p) for p in candidates(roots, run_ids=runs, weights_only=weights_only)]
+        for candidate in self._broadcast(found):
             try:
                 verify_distributed(self.as_path(candidate), group=self.process_group)
             except CheckpointCorruptError as err:
@@ -421,58 +389,9 @@ class ShardedCheckpointIO(CheckpointIO):
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
-            _remove_dir(path)
+            remove_dir(path)
 
     @override
     def teardown(self) -> None:
         """Wait for the save in flight and raise what it raised (the strategy calls this after every Trainer call)."""
         self.wait()
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A sharded checkpoint directory as one Lightning checkpoint dict, every tensor whole on the CPU,
-    read (and verified) by this process alone: what ``torch.load`` gives for a ``.ckpt`` file."""
-    return ShardedCheckpointIO().load_checkpoint(path)
-
-
-def load_from_checkpoint(cls: type, path: str | os.PathLike, *, strict: bool | None = None, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint`` for a sharded checkpoint directory: the module built from the saved
-    hyper-parameters (``kwargs`` override them) with the whole weights, in one process."""
-    from lightning.pytorch.core.saving import _load_state
-    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
-
-    local = None if is_url(path) else os.fspath(path)
-    checkpoint = _pl_migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=local)
-    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
-    return _load_state(cls, checkpoint, strict=strict, **kwargs)
-
-def _remove_dir(path: AnyPath) -> None:
-    if isinstance(path, RemotePath):  # no atomic rename: the manifest goes first, so it stops being a checkpoint
-        clear_in_place(path)
-        return
-    hidden = path.parent / f".{path.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
-    replace(path, hidden)
-    rmtree(hidden)
-
-
-def _json_bytes(doc: Any) -> bytes:
-    return json.dumps(doc, allow_nan=False).encode()
-
-
-def _versions(checkpoint: Mapping[str, Any]) -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("lightning-scale")
-    except PackageNotFoundError:
-        ours = "unknown"
-    return {
-        "lightning_scale": ours,
-        "torch": torch.__version__,
-        "lightning": str(checkpoint.get("pytorch-lightning_version", "")),
-    }
-
-

@@ -62,6 +62,7 @@ class ShardedCheckpoints:
     options: Any
     global_rank: int
     world_size: int
+    _resumed_by_latest: str | None = None  # the checkpoint "latest" chose for fit: this run continues its run
 
     # ------------------------------------------------------------------ the IO plugin
 
@@ -110,15 +111,21 @@ class ShardedCheckpoints:
             trainer.callbacks.append(PreemptionCheckpoint())
 
     def _resolve_ckpt_path(self, trainer: Trainer, path: Any) -> Any:
+        """``"latest"`` (and an automatic resume): the checkpoint ``ShardedCheckpointIO.latest`` names.
+        ``fit`` needs a full checkpoint; ``validate``/``test``/``predict`` may take a weights-only one.
+        A fit that resumes this way continues the checkpoint's run (``ShardedCheckpointIO.continue_run``)."""
         io = self._sharded_io()
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._resumed_by_latest = None
         wanted = path == "latest" or (
             path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and restarted()))
         )
         if not wanted:
             return path
         roots = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks]
-        found = io.latest(roots)
+        found = io.latest(roots, weights_only=not fitting)
+        if found is not None and fitting:
+            self._resumed_by_latest = str(found)
         if found is None:
             where = ", ".join(str(r) for r in io.search_roots(roots)) or "(no ModelCheckpoint dirpath, no dirpath)"
             if path == "latest":
@@ -233,6 +240,8 @@ class ShardedCheckpoints:
         info = checkpoint["lightning_scale"]
         if fitting:
             io.resumed_from = io.as_path(info["path"])
+            if self._resumed_by_latest == info["path"]:
+                io.continue_run(info["manifest"])
         self._restore_rng(info)
         return checkpoint
 
