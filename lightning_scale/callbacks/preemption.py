@@ -38,13 +38,15 @@ class Preempted(SystemExit):
 class PreemptionCheckpoint(Callback):
     """Checkpoint and exit when the job is told it will be stopped.
 
-    ``HybridParallelStrategy`` adds one to every ``fit`` that has none.
+    ``HybridParallelStrategy`` adds one to every ``fit`` that has none; ``lightning-scale-train`` adds one
+    under Lightning's strategies too (``strategy=ddp``).
 
     Args:
         signals: the signals that mean "stop soon" (names).
         dirpath: where the checkpoint goes (default: the first ``ModelCheckpoint``'s directory, else
             ``ShardedCheckpointIO(dirpath=...)``, else ``<default_root_dir>/checkpoints``); it is named
-            ``step-NNNNNN``, so ``ckpt_path="latest"`` and a relaunch find it.
+            ``step-NNNNNN`` (``step-NNNNNN.ckpt`` in Lightning's own format, e.g. under ``DDPStrategy``),
+            so ``ckpt_path="latest"`` and a relaunch find it.
         exit_code: the process's exit status afterwards (default 143, as for a process ended by
             SIGTERM): non-zero, so torchrun ``--max-restarts`` relaunches and the relaunch resumes.
         requeue: under SLURM with Lightning's ``auto_requeue`` (the default), rank 0 requeues the job
@@ -149,9 +151,12 @@ class PreemptionCheckpoint(Callback):
         self._last_step = trainer.global_step
         if not self._anyone_signalled(trainer):
             return
-        path = self._dirpath(trainer) / checkpoint_name(trainer.global_step)
+        name = checkpoint_name(trainer.global_step)
+        if not isinstance(trainer.strategy.checkpoint_io, ShardedCheckpointIO):
+            name += ".ckpt"  # Lightning's own format, one file: named as Lightning names them, so "latest" finds it
+        path = self._dirpath(trainer) / name
         rank_zero_info(f"Preemption signal received: saving {path} at step {trainer.global_step}, then exiting.")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint: the run resumes from it
         io = trainer.strategy.checkpoint_io
         if isinstance(io, ShardedCheckpointIO):
             io.wait()  # committed (an async save included) before the process goes

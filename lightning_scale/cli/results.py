@@ -7,11 +7,70 @@ import os
 from typing import Any, cast
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
-__all__ = ["environment", "job_results", "log_config", "peak_memory"]
+__all__ = [
+    "SUMMARY_METRICS",
+    "ValidationRecord",
+    "environment",
+    "finish_wandb",
+    "job_results",
+    "log_config",
+    "num_parameters",
+    "peak_memory",
+]
+
+SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
+                   "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
+"""The telemetry callbacks' metrics whose last values go into ``summary.json``."""
+
+
+class ValidationRecord(Callback):
+    """The fit's loss curves (training loss at logging steps, every validation loss) and the last
+    validation loss with the step it was taken at."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.loss: float | None = None
+        self.val_curve: list[tuple[int, float]] = []
+        self.train_curve: list[tuple[int, float]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None and step % max(trainer.log_every_n_steps, 1) == 0 and (not self.train_curve or self.train_curve[-1][0] != step):
+            self.train_curve.append((step, float(loss)))
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
+            self.step = trainer.global_step
+            self.loss = float(trainer.callback_metrics["val/loss"])
+            self.val_curve.append((self.step, self.loss))
+
+
+def num_parameters(module: LightningModule) -> int:
+    """The whole model's parameter count, whether it is built yet or not, at any layout (counted on
+    the meta device: a pipeline stage or a shard would count only its part)."""
+    from lightning_scale.models import GPT, GPTConfig
+
+    config = getattr(module, "config", None)
+    if not isinstance(config, GPTConfig):
+        return sum(p.numel() for p in module.parameters())
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
+def finish_wandb(trainer: Trainer) -> None:
+    """Close this job's wandb run: ``WandbLogger`` never does, so in a multirun every later job
+    would log into the first job's run."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 def peak_memory(trainer: Trainer) -> list[int]:

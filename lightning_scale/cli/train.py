@@ -15,21 +15,31 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, cast
 
-import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.loggers import WandbLogger
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig, OmegaConf
-from typing_extensions import override
 
+from lightning_scale.callbacks import Preempted, PreemptionCheckpoint
 from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
-from lightning_scale.cli.results import job_results, log_config, peak_memory
-from lightning_scale.models import GPT, GPTConfig
+from lightning_scale.cli.results import (
+    SUMMARY_METRICS,
+    ValidationRecord,
+    finish_wandb,
+    job_results,
+    log_config,
+    num_parameters,
+    peak_memory,
+)
+from lightning_scale.cli.resume import check_checkpoint_path, resume_checkpoint
+from lightning_scale.models import GPTConfig
+from lightning_scale.strategies import HybridParallelStrategy
 
 __all__ = ["RESOLVED_CONFIG_ENV", "LayoutNotAdmitted", "build", "main", "planned_data_parallel_size", "preflight", "run"]
 
@@ -81,11 +91,14 @@ def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate`` that lets a constructor's ``ValueError``/``TypeError`` through.
 
     Hydra wraps every constructor error in ``InstantiationException``; our checks' messages name
-    the value and the fix, so surface them as they are.
+    the value and the fix, so surface them as they are. Lists and dicts reach the constructors as
+    plain ``list``/``dict`` (``_convert_="all"``), never OmegaConf containers: whatever a module keeps
+    (``save_hyperparameters``) goes into checkpoints, which must load with ``weights_only=True``.
     """
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    kwargs.setdefault("_convert_", "all")
     try:
         return instantiate(node, *args, **kwargs)
     except InstantiationException as err:
@@ -94,51 +107,12 @@ def _instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-class _ValidationRecord(Callback):
-    """The fit's loss curves (training loss at logging steps, every validation loss) and the last
-    validation loss with the step it was taken at."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.loss: float | None = None
-        self.val_curve: list[tuple[int, float]] = []
-        self.train_curve: list[tuple[int, float]] = []
-
-    @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        loss = trainer.callback_metrics.get("train/loss")
-        if loss is not None and step % max(trainer.log_every_n_steps, 1) == 0 and (not self.train_curve or self.train_curve[-1][0] != step):
-            self.train_curve.append((step, float(loss)))
-
-    @override
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
-            self.step = trainer.global_step
-            self.loss = float(trainer.callback_metrics["val/loss"])
-            self.val_curve.append((self.step, self.loss))
-
-
-def _checkpoint_path(cfg: DictConfig) -> str | None:
-    path = cfg.get("ckpt_path")
-    if path is None or path == "latest":
-        return path  # "latest": the strategy finds the newest checkpoint that verifies
-    if path == "last":
-        path = str(Path(cfg.run_dir) / "checkpoints" / "last.ckpt")
-    if not Path(path).exists():
-        raise ValueError(
-            f"ckpt_path={cfg.ckpt_path!r} points to {path}, which does not exist. Pass an existing checkpoint, "
-            "or ckpt_path=last together with the hydra.run.dir of the run to resume."
-        )
-    return str(path)
-
-
 def preflight(cfg: DictConfig) -> tuple[Any, Any]:
     """Check everything checkable from the config alone; returns (model config, datamodule).
 
     Raises ``ValueError`` for bad input before any process group or child process exists.
     """
-    _checkpoint_path(cfg)
+    check_checkpoint_path(cfg)
     model_config = _instantiate(cfg.model)
     datamodule = _instantiate(cfg.data)
     if datamodule.seq_len > model_config.block_size:
@@ -186,16 +160,20 @@ def _check_gpt_layout(config: GPTConfig, strategy: Any) -> None:
             )
 
 
-def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, _ValidationRecord]:
+def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRecord]:
     """Instantiate (module, datamodule, trainer) after checking everything checkable up front
     (:func:`preflight`)."""
     model_config, datamodule = preflight(cfg)
     seed_everything(int(cfg.seed), workers=True, verbose=False)
     module = _instantiate(cfg.module, model_config)
-    record = _ValidationRecord()
+    record = ValidationRecord()
     callbacks = [_instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [_instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     strategy = _instantiate(cfg.strategy)
+    if not isinstance(strategy, HybridParallelStrategy) and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+        # HybridParallelStrategy adds one to every fit; Lightning's strategies do not, and their own SIGTERM
+        # handling ends the run with status 0 and no checkpoint, so a scheduler would take it as finished.
+        callbacks.append(PreemptionCheckpoint())
     trainer = _instantiate(
         cfg.trainer,
         strategy=strategy,
@@ -220,42 +198,63 @@ def _precision(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
     return {"plugins": [plugin]}
 
 
-def _finish_wandb(trainer: Trainer) -> None:
-    """Close this job's wandb run: ``WandbLogger`` never does, so in a multirun every later job
-    would log into the first job's run."""
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
-            logger.experiment.finish()
+_CHILD_EXIT_TIMEOUT_S = 60.0
 
 
-_SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
-                    "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
+def _end_processes(trainer: Trainer, *, finished: bool) -> None:
+    """Leave nothing running when a run ends, however it ends.
 
-
-def _num_parameters(module: LightningModule) -> int:
-    """The whole model's parameter count, whether it is built yet or not, at any layout (counted on
-    the meta device: a pipeline stage or a shard would count only its part)."""
-    config = getattr(module, "config", None)
-    if not isinstance(config, GPTConfig):
-        return sum(p.numel() for p in module.parameters())
-    with torch.device("meta"):
-        return GPT(config).num_parameters()
+    The process groups are destroyed, which joins their gloo worker threads while the interpreter is
+    alive. Left to the interpreter's exit, a worker still releasing a collective's tensors (their
+    Python objects) takes the GIL of an interpreter that is shutting down; Python ends that thread
+    with a forced unwind that meets a ``noexcept`` frame, and the process aborts: "terminate called
+    without an active exception", status 134. On the rank that started the others (Lightning's
+    launcher) every child is waited for, so the job's exit status comes last and no rank outlives it."""
+    if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()  # no rank is still in a collective of the run when the groups go
+        dist.destroy_process_group()
+    children = getattr(trainer.strategy.launcher, "procs", None) or []
+    deadline = time.monotonic() + _CHILD_EXIT_TIMEOUT_S
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            print(f"lightning-scale-train: rank process {child.pid} did not exit; killing it", file=sys.stderr, flush=True)
+            child.kill()
+            child.wait()
+    failed = {child.pid: child.returncode for child in children if child.returncode}
+    if failed and finished:
+        raise RuntimeError(f"Rank processes exited with a failure status (pid: status): {failed}; see train.log.")
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns (and on global rank 0 writes) the run summary."""
+    """Train as ``cfg`` says; returns (and on global rank 0 writes) the run summary. The process
+    groups are destroyed when it returns or raises (:class:`~lightning_scale.callbacks.Preempted` on
+    SIGTERM/SIGUSR1, after the checkpoint is committed)."""
     start = time.perf_counter()
     module, datamodule, trainer, record = build(cfg)
+    finished = False
+    try:
+        summary = _train(cfg, module, datamodule, trainer, record, start)
+        finished = True
+    finally:
+        _end_processes(trainer, finished=finished)
+    return summary
+
+
+def _train(
+    cfg: DictConfig, module: LightningModule, datamodule: Any, trainer: Trainer, record: ValidationRecord, start: float
+) -> dict[str, Any]:
+    ckpt_path = resume_checkpoint(cfg)
     if trainer.is_global_zero:
-        params = _num_parameters(module)
         print(
-            f"lightning-scale-train: {params / 1e6:.2f}M parameters | {trainer.world_size} process(es) | "
+            f"lightning-scale-train: {num_parameters(module) / 1e6:.2f}M parameters | {trainer.world_size} process(es) | "
             f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}",
             flush=True,
         )
     log_config(trainer, cfg)
     summary: dict[str, Any] = {}
-    ckpt_path = _checkpoint_path(cfg)
     if cfg.validate_before_fit:
         # With a checkpoint, "before" means the weights training resumes from.
         metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
@@ -269,16 +268,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary.update(
         global_step=trainer.global_step,
         world_size=trainer.world_size,
-        num_parameters=_num_parameters(module),
+        num_parameters=num_parameters(module),
         elapsed_s=round(time.perf_counter() - start, 2),
     )
     if "train/loss" in trainer.callback_metrics:
         summary["final_train_loss"] = float(trainer.callback_metrics["train/loss"])
-    for key in _SUMMARY_METRICS:  # the telemetry callbacks' last values
+    for key in SUMMARY_METRICS:  # the telemetry callbacks' last values
         if key in trainer.callback_metrics:
             summary[key] = float(trainer.callback_metrics[key])
     peaks = peak_memory(trainer)  # a collective: every rank
-    _finish_wandb(trainer)
+    finish_wandb(trainer)
     if trainer.is_global_zero:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -350,7 +349,16 @@ def main() -> int:
         # config was resolved once already.
         if os.environ.get(sweep.ORPHAN_WATCH_ENV):
             sweep.watch_parent()
-        run(cast(DictConfig, OmegaConf.load(resolved)))
+        try:
+            run(cast(DictConfig, OmegaConf.load(resolved)))
+        except Preempted:
+            if launched_externally():
+                raise  # torchrun and SLURM read every rank's status: PREEMPTION_EXIT_CODE
+            # A child of Lightning's launcher: only that launcher's watcher thread in rank 0 reads this
+            # status, and it SIGKILLs rank 0 on any non-zero one, before rank 0 could exit with the
+            # job's status (PREEMPTION_EXIT_CODE, once it has waited for this process). The
+            # checkpoint is committed: this rank's part ended as it should.
+            return 0
         return 0
 
     _hydra_entry()

@@ -58,6 +58,9 @@ class GPTLightningModule(LightningModule):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if len(betas) != 2:
             raise ValueError(f"betas must be two numbers (beta1, beta2), got {list(betas)}")
+        # Plain floats whatever the sequence (a Hydra ListConfig, a tensor): save_hyperparameters stores the
+        # value as given, and a checkpoint holding another type does not load with weights_only=True.
+        betas = (float(betas[0]), float(betas[1]))
         # Hyperparameters go into checkpoints as plain data so `load_from_checkpoint` rebuilds the model.
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = dataclasses.asdict(config)
