@@ -47,8 +47,19 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("lightning_scale_cache")
 
 
+# What Lightning's `_init_dist_connection` writes into os.environ for the process group it creates.
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+
+
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # A module- or session-scoped fixture that trained in this process (set up before this fixture)
+    # may have left its process group and its rendezvous variables behind: a CLI run started by a
+    # later test would inherit MASTER_PORT and find the port still held by this process.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in _RENDEZVOUS:
+        os.environ.pop(key, None)
     saved_env = dict(os.environ)
     monkeypatch.chdir(tmp_path)
     os.environ["LIGHTNING_SCALE_CACHE"] = str(data_cache)
