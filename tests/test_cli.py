@@ -221,6 +221,8 @@ def test_tensor_parallel_strategy_from_the_command_line(tmp_path: Path) -> None:
     proc = _short_run(tmp_path, "strategy=tensor_parallel")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "HybridParallelStrategy: dp=1 x pp=1 x tp=2 on 2 processes" in proc.stdout + proc.stderr
+    # Every rank joined its process groups' threads before exit (where one aborted a finished run).
+    assert "still ran at exit" not in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final_val_loss"] < summary["initial_val_loss"]
 
@@ -236,6 +238,7 @@ def test_pipeline_strategy_with_a_cost_balanced_partition_from_the_command_line(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "HybridParallelStrategy: dp=1 x pp=2 x tp=1 on 2 processes" in out
+    assert "still ran at exit" not in proc.stderr  # the stages' groups joined too
     assert re.search(
         r"Pipeline: 2 stages on 2 ranks \(1 per rank\), partition by_cost, blocks per stage \[\d, \d\], stage costs "
         r"\[[\d.]+, [\d.]+\] s, predicted bubble 20.0% \(1f1b, 4 micro-batches\)",

@@ -13,16 +13,17 @@ run directory, and only global rank 0 writes the resolved config and the summary
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any, cast
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,6 +40,7 @@ from lightning_scale.cli.results import (
 )
 from lightning_scale.cli.resume import check_checkpoint_path, resume_checkpoint
 from lightning_scale.models import GPTConfig
+from lightning_scale.core.process_groups import end_process_groups
 from lightning_scale.strategies import HybridParallelStrategy
 
 __all__ = ["RESOLVED_CONFIG_ENV", "LayoutNotAdmitted", "build", "main", "planned_data_parallel_size", "preflight", "run"]
@@ -199,22 +201,21 @@ def _precision(cfg: DictConfig, strategy: Any) -> dict[str, Any]:
 
 
 _CHILD_EXIT_TIMEOUT_S = 60.0
+_threads_left: list[str] = []  # process-group threads that outlived the run's end (see _end_processes)
 
 
-def _end_processes(trainer: Trainer, *, finished: bool) -> None:
+def _end_processes(launcher: Any, *, finished: bool) -> None:
     """Leave nothing running when a run ends, however it ends.
 
-    The process groups are destroyed, which joins their gloo worker threads while the interpreter is
-    alive. Left to the interpreter's exit, a worker still releasing a collective's tensors (their
-    Python objects) takes the GIL of an interpreter that is shutting down; Python ends that thread
-    with a forced unwind that meets a ``noexcept`` frame, and the process aborts: "terminate called
-    without an active exception", status 134. On the rank that started the others (Lightning's
-    launcher) every child is waited for, so the job's exit status comes last and no rank outlives it."""
-    if dist.is_available() and dist.is_initialized():
-        if finished:
-            dist.barrier()  # no rank is still in a collective of the run when the groups go
-        dist.destroy_process_group()
-    children = getattr(trainer.strategy.launcher, "procs", None) or []
+    The process groups are destroyed and the meshes' references to them released, which joins their
+    worker threads while the interpreter is alive (see :mod:`lightning_scale.core.process_groups`:
+    left to the interpreter's exit, a gloo worker aborted the process, status 134, after a run that
+    succeeded). Should any still run, :func:`main` ends the process without finalising the
+    interpreter. On the rank that started the others (Lightning's launcher) every child is waited
+    for, so the job's exit status comes last and no rank outlives it."""
+    global _threads_left
+    _threads_left = end_process_groups(barrier=finished)
+    children = getattr(launcher, "procs", None) or []
     deadline = time.monotonic() + _CHILD_EXIT_TIMEOUT_S
     for child in children:
         try:
@@ -234,12 +235,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     SIGTERM/SIGUSR1, after the checkpoint is committed)."""
     start = time.perf_counter()
     module, datamodule, trainer, record = build(cfg)
+    launcher = trainer.strategy.launcher  # its child processes, once fit started them
     finished = False
     try:
         summary = _train(cfg, module, datamodule, trainer, record, start)
         finished = True
     finally:
-        _end_processes(trainer, finished=finished)
+        # The groups go with their last references: the model's meshes and the strategy's stages.
+        del module, datamodule, trainer, record
+        _end_processes(launcher, finished=finished)
     return summary
 
 
@@ -337,7 +341,37 @@ def _hydra_entry() -> None:
 
 
 def main() -> int:
-    """Console entry point; the exit status is the number of failed jobs of a multirun (0 otherwise)."""
+    """Console entry point; the exit status is the number of failed jobs of a multirun (0 otherwise).
+
+    Should a process group's worker threads still run when the job is done, the process ends here
+    (exit handlers run, streams flushed) without finalising the interpreter, where such a thread
+    would abort it."""
+    try:
+        status = _main()
+    except SystemExit as exc:
+        if not _threads_left:
+            raise
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        if not _threads_left:
+            raise
+        traceback.print_exc()
+        status = 1
+    if _threads_left:
+        print(
+            f"lightning-scale-train: {len(_threads_left)} process-group thread(s) still ran at exit "
+            f"({', '.join(sorted(set(_threads_left)))}); ending without interpreter finalisation",
+            file=sys.stderr,
+            flush=True,
+        )
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _main() -> int:
     # Lightning 2.6's pytree helper trips torch>=2.10's LeafSpec deprecation on every batch transfer.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     register_resolvers()

@@ -1,0 +1,65 @@
+"""Ending a process's distributed state so that nothing of it outlives the interpreter.
+
+A gloo process group runs worker threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) that are joined
+only when the C++ group object is destroyed, i.e. when its last reference goes.
+``dist.destroy_process_group()`` drops torch's own references, but every ``DeviceMesh`` keeps the
+groups of its dimensions in ``_pg_registry``, and meshes live on in DTensor specs and sharding
+caches until the interpreter exits. A worker still releasing a collective's tensors then takes the
+GIL of an interpreter that is finalising; Python ends that thread with a forced unwind through a
+``noexcept`` frame and the process aborts ("terminate called without an active exception",
+status 134) after a run that succeeded.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch.distributed as dist
+
+__all__ = ["COMMUNICATION_THREADS", "communication_threads", "end_process_groups"]
+
+COMMUNICATION_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl_watchdg", "pt_nccl_heartbt")
+"""Name prefixes (Linux thread names, 15 characters at most) of the C++ threads a process group runs."""
+
+
+def communication_threads() -> list[str]:
+    """Names of this process's process-group threads still running (Linux; empty where
+    ``/proc/self/task`` cannot be read)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended while we looked
+        if name.startswith(COMMUNICATION_THREADS):
+            names.append(name)
+    return sorted(names)
+
+
+def end_process_groups(*, barrier: bool) -> list[str]:
+    """Destroy every process group and release the references meshes hold, so the groups' worker
+    threads are joined now; returns the names of any still running (see :func:`communication_threads`).
+
+    ``barrier``: first wait until every rank got here (no rank is still in a collective of the run);
+    only where every rank is known to call this (a run that finished, not one that raised).
+    """
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+    if dist.is_available():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for obj in gc.get_objects():
+            if isinstance(obj, DeviceMesh):
+                registry = getattr(obj, "_pg_registry", None)  # torch >= 2.10; a dict name -> group
+                if isinstance(registry, dict):
+                    registry.clear()
+        gc.collect()
+    return communication_threads()
