@@ -4,7 +4,10 @@ finishes the optimizer step it is in, one checkpoint is committed, and the proce
 
 The signal handler only sets a flag (a collective inside a handler can pair with the wrong call on
 another rank, which Lightning's own SIGTERM handler risks). After each optimizer step every rank
-all-reduces its flag, so all of them stop at the same step even when only one was signalled.
+all-reduces its flag, so all of them stop at the same step even when only one was signalled. That
+all-reduce takes the place of Lightning's own: Lightning broadcasts rank 0's SIGTERM flag before every
+batch (``_broadcast_sigterm_tensor``, a collective and a host sync), which is idle while this callback
+handles SIGTERM, so a fit with preemption runs one such exchange per optimizer step, not two.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedC
 __all__ = ["Preempted", "PreemptionCheckpoint"]
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
+
+
+_LIGHTNING_BROADCAST = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop's, called before every batch
+
+
+def _no_broadcast() -> None:
+    """Lightning's per-batch SIGTERM broadcast, idle: :class:`PreemptionCheckpoint` agrees on the signal."""
 
 
 class Preempted(SystemExit):
@@ -73,6 +83,7 @@ class PreemptionCheckpoint(Callback):
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self._last_step = -1
+        self._idled_loop: Any = None
 
     # ------------------------------------------------------------------ handlers
 
@@ -101,6 +112,18 @@ class PreemptionCheckpoint(Callback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+        loop = self._idled_loop
+        if loop is not None and _LIGHTNING_BROADCAST in vars(loop):
+            delattr(loop, _LIGHTNING_BROADCAST)  # the class's own method again
+        self._idled_loop = None
+
+    def _replace_lightning_broadcast(self, trainer: Trainer) -> None:
+        """While this callback's handler owns SIGTERM, Lightning's flag cannot be set, and its per-batch
+        broadcast of it would be a second collective and host sync per step: idle it for this fit."""
+        loop = trainer.fit_loop.epoch_loop
+        if signal.SIGTERM in self._previous and callable(getattr(type(loop), _LIGHTNING_BROADCAST, None)):
+            setattr(loop, _LIGHTNING_BROADCAST, _no_broadcast)
+            self._idled_loop = loop
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -108,6 +131,7 @@ class PreemptionCheckpoint(Callback):
         self.received = None
         self._last_step = trainer.global_step
         self._install()
+        self._replace_lightning_broadcast(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "DATA_PARALLEL_MODES",
     "apply_activation_checkpointing",
     "apply_data_parallel",
+    "has_persistent_buffers",
     "bf16_all_reduce_hook",
     "check_not_wrapped",
     "compile_blocks",
@@ -213,6 +214,12 @@ def register_compression(
     return state
 
 
+def has_persistent_buffers(module: nn.Module) -> bool:
+    """Whether any buffer of ``module`` is saved in its state dict (``persistent=True``, the default)."""
+    names = {name for name, _ in module.named_buffers()}
+    return bool(names & set(module.state_dict(keep_vars=True)))
+
+
 def wrap_ddp(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -224,6 +231,12 @@ def wrap_ddp(
     **ddp_kwargs: Any,
 ) -> nn.parallel.DistributedDataParallel:
     """``DistributedDataParallel`` over the 1-D data-parallel ``mesh`` with gradient ``compression``.
+
+    DDP broadcasts rank 0's buffers before every forward (a collective per step) only when the model
+    has persistent buffers, the state a forward may update (BatchNorm's statistics); non-persistent
+    ones (causal masks, rotary tables) are constants every rank builds alike. ``broadcast_buffers``
+    (``forward_sync_buffers``) in
+    ``ddp_kwargs`` decides otherwise.
 
     ``ddp_kwargs`` go to DDP (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``,
     ``gradient_as_bucket_view``, ...).
@@ -238,6 +251,8 @@ def wrap_ddp(
                 "'powersgd' on the gloo backend, which needs all gradients in one bucket. Remove bucket_cap_mb."
             )
         ddp_kwargs["bucket_cap_mb"] = 2**20
+    if "broadcast_buffers" not in ddp_kwargs and "forward_sync_buffers" not in ddp_kwargs:
+        ddp_kwargs["forward_sync_buffers"] = has_persistent_buffers(module)
     ddp = nn.parallel.DistributedDataParallel(module, device_mesh=mesh, **ddp_kwargs)
     register_compression(
         ddp, compression, mesh.get_group(), powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter

@@ -106,9 +106,15 @@ class GPTLightningModule(LightningModule):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        # sync_dist: the logged loss is the mean over the whole global batch, not rank 0's share,
-        # so curves at different data-parallel sizes are comparable. One scalar all-reduce.
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        trainer = self.trainer
+        last = 0 < trainer.max_steps <= trainer.global_step + 1
+        if trainer._logger_connector.should_update_logs or last:
+            # Logged at the loggers' steps only, as the mean over the whole global batch (not rank 0's
+            # share), so curves at different data-parallel sizes are comparable: one scalar all-reduce
+            # there, none on the steps between (sync_dist=True would reduce on every step).
+            mean = trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+            # On the progress bar only when there is one: Lightning reads its values on every step.
+            self.log("train/loss", mean, prog_bar=trainer.progress_bar_callback is not None)
         return loss
 
     @override
