@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -87,9 +89,34 @@ def test_peaks_are_dense_with_a_source_and_unknowns_are_none() -> None:
     assert device_peak("Tesla T4", "bfloat16") is None  # no bf16 tensor cores: no figure, no guess
     assert device_peak("NVIDIA GeForce RTX 3090", "bfloat16") is None
     for peak in PEAKS.values():
-        assert peak.source.startswith("https://") and peak.flops, peak
+        assert peak.flops, peak
         # Dense tensor rates: bf16/fp16 never above fp8, tf32 never above bf16.
         f = peak.flops
         assert f.get("float8", float("inf")) >= f.get("bfloat16", 0) >= f.get("tf32", 0), peak.chip
     with pytest.raises(ValueError, match=r"dtype='fp32' must be one of"):
         device_peak("NVIDIA H100 PCIe", "fp32")
+
+
+def test_every_peak_row_has_a_source_and_a_month() -> None:
+    for peak in PEAKS.values():
+        assert re.fullmatch(r"https?://\S+.*", peak.source), peak
+        assert re.fullmatch(r"(19|20)\d\d-(0[1-9]|1[0-2])", peak.date), peak
+
+
+def test_float64_is_the_matmul_rate_on_tensor_or_matrix_cores_where_the_chip_has_them() -> None:
+    assert device_peak("NVIDIA A100-SXM4-80GB", "float64") == pytest.approx(19.5e12)  # not the 9.7 vector rate
+    assert device_peak("NVIDIA H100 80GB HBM3", "float64") == pytest.approx(67e12)  # not 33.5
+    assert device_peak("NVIDIA H100 PCIe", "float64") == pytest.approx(51e12)
+    assert device_peak("NVIDIA H200", "float64") == pytest.approx(67e12)
+    assert device_peak("AMD Instinct MI300X", "float64") == pytest.approx(163.4e12)  # 'FP64 Matrix', not 81.7
+    assert device_peak("Tesla V100-SXM2-16GB", "float64") == pytest.approx(7.8e12)  # no FP64 tensor cores
+    for chip in ("A100", "H100 SXM", "H100 PCIe", "H100 NVL", "H200 SXM", "H200 NVL", "MI300X", "MI250X"):
+        assert PEAKS[chip].flops["float64"] >= PEAKS[chip].flops["float32"] * 0.99, chip  # matrix FP64 >= FP32
+
+
+def test_the_a10g_has_its_own_peak_not_the_a10s() -> None:
+    # NVIDIA/AWS A10G datasheet: 70 dense bf16/fp16 tensor TFLOPS (the A10's is 125), 35 fp32 and tf32.
+    assert device_peak("NVIDIA A10G", "bfloat16") == pytest.approx(70e12)
+    assert device_peak("NVIDIA A10G", "float16") == pytest.approx(70e12)
+    assert device_peak("NVIDIA A10G", "tf32") == pytest.approx(35e12)
+    assert device_peak("NVIDIA A10G", "float32") == pytest.approx(35e12)

@@ -29,7 +29,15 @@ from lightning_scale.callbacks import (
     Throughput,
 )
 from lightning_scale.core.checkpoint_interval import daly_interval, young_interval
-from lightning_scale.core.cost import PRICES, CostMeter, device_price, price_multiplier
+from lightning_scale.core.cost import (
+    OFFERS,
+    PRICES,
+    CostMeter,
+    device_offers,
+    device_price,
+    price_key,
+    price_multiplier,
+)
 from lightning_scale.core.health import LossSpikeDetector
 from lightning_scale.core.model_facts import ModelFacts, transformer_shape
 from lightning_scale.data import TextDataModule
@@ -395,16 +403,59 @@ def test_cost_counts_every_device(two: list[dict[str, Any]]) -> None:
         assert rank["cost"]["cost/usd_per_1m_tokens"] == pytest.approx(rank["cost"]["cost/usd"] / (4 * BATCH * SEQ) * 1e6)
 
 
-def test_prices_have_dates_and_sources_and_pricing_is_checked() -> None:
-    assert device_price("NVIDIA H100 80GB HBM3").usd_per_device_hour == pytest.approx(98.32 / 8)
-    assert device_price("NVIDIA GeForce RTX 3090") is None
-    for price in PRICES.values():
-        assert price.source.startswith("https://") and price.date[:2] == "20" and price.usd_per_device_hour > 0
+def test_every_price_row_has_a_source_and_a_month() -> None:
+    offers = [price for prices in OFFERS.values() for price in prices]
+    assert len(offers) > len(PRICES) and all(PRICES[key] is prices[0] for key, prices in OFFERS.items())
+    for price in offers:
+        assert re.fullmatch(r"https?://\S+.*", price.source), price  # a URL first, then how it was read
+        assert re.fullmatch(r"20\d\d-(0[1-9]|1[0-2])", price.date), price
+        assert price.usd_per_device_hour > 0 and price.offer, price
+    # Other clouds than AWS are listed, and their offers are alternatives, never the default.
+    assert any("Lambda" in p.offer for p in offers) and all(p.offer.startswith("AWS") for p in PRICES.values())
+
+
+def test_prices_are_per_gpu_of_the_8_gpu_instances_after_the_2025_cut() -> None:
+    # AWS's June 2025 on-demand prices of the nodes people train on, divided by their 8 GPUs.
+    assert device_price("NVIDIA H100 80GB HBM3").usd_per_device_hour == pytest.approx(55.04 / 8)
+    assert device_price("NVIDIA H200").usd_per_device_hour == pytest.approx(63.296 / 8)
+    assert device_price("NVIDIA A100-SXM4-40GB").usd_per_device_hour == pytest.approx(21.957642 / 8)
+    assert device_price("NVIDIA A100-SXM4-80GB").usd_per_device_hour == pytest.approx(27.44705 / 8)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-16GB"):
+        assert "8x" in device_price(name).offer and device_price(name).date >= "2024-06", name
+    for name in ("NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G", "Tesla T4"):  # rented singly: labelled so
+        assert "1-GPU instance" in device_price(name).offer, name
+    assert [p.offer.split(",")[0] for p in device_offers("NVIDIA H100 80GB HBM3")] == [
+        "AWS p5.48xlarge", "Lambda gpu_8x_h100_sxm5"]  # fmt: skip
+
+
+def test_a100_40gb_and_80gb_are_priced_apart_and_a_size_is_never_guessed() -> None:
+    assert price_key("NVIDIA A100-SXM4-80GB") == price_key("NVIDIA A100 80GB PCIe") == "A100 80GB"
+    assert price_key("NVIDIA A100-SXM4-40GB") == price_key("NVIDIA A100-PCIE-40GB") == "A100 40GB"
+    big, small = device_price("NVIDIA A100-SXM4-80GB"), device_price("NVIDIA A100-SXM4-40GB")
+    assert big.usd_per_device_hour > small.usd_per_device_hour and "80GB" in big.offer and "40GB" in small.offer
+    assert device_price("Tesla V100-SXM2-32GB").usd_per_device_hour > device_price("Tesla V100-SXM2-16GB").usd_per_device_hour
+    assert price_key("NVIDIA A100") is None and device_price("NVIDIA A100") is None and device_offers("NVIDIA A100") == ()
+    assert price_key("NVIDIA H100 80GB HBM3") == "H100 SXM"  # priced by chip alone where memory does not differ
+
+
+def test_prices_are_checked() -> None:
+    assert device_price("NVIDIA GeForce RTX 3090") is None and device_offers("NVIDIA GeForce RTX 3090") == ()
     assert price_multiplier("spot") < price_multiplier("reserved") < price_multiplier("on_demand") == 1.0
     with pytest.raises(ValueError, match=r"pricing='cheap' must be one of \['on_demand', 'reserved', 'spot'\]"):
         CostMonitor(pricing="cheap")
     with pytest.raises(ValueError, match=r"price_per_device_hour=-2 must be a non-negative number"):
         CostMonitor(price_per_device_hour=-2)
+
+
+def test_cost_monitor_takes_the_table_price_of_the_device_by_chip_and_memory(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(telemetry, "clock", FakeClock(600.0))  # ten simulated minutes per reading
+    monkeypatch.setattr(telemetry, "device_name", lambda trainer: "NVIDIA A100-SXM4-80GB")
+    with caplog.at_level("INFO"):
+        last = _fit([CostMonitor()], steps=3).steps[-1]
+    assert last["cost/usd"] == pytest.approx(3 * 600 / 3600 * 27.44705 / 8)  # p4de.24xlarge / 8, not p4d's 40GB
+    assert re.search(r"\$3\.431/device-hour x 1\.0 \(AWS p4de\.24xlarge.*2025-06, https://.*also Lambda", caplog.text)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["ckpt-file", "sharded-dir"])

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.cost import CostMeter, device_price, price_multiplier
+from lightning_scale.core.cost import CostMeter, device_offers, price_multiplier
 
 __all__ = ["CostMonitor"]
 
@@ -64,7 +64,8 @@ class CostMonitor(Callback):
 
     Args:
         price_per_device_hour: USD per device-hour, overriding the table
-            (:data:`lightning_scale.core.cost.PRICES`: public on-demand prices, dated, with sources).
+            (:data:`lightning_scale.core.cost.PRICES`: public on-demand prices per device-hour, each
+            dated and sourced, by chip and memory; alternatives in ``OFFERS`` are logged, not used).
         pricing: ``"on_demand"``, ``"spot"``, ``"reserved"`` (rough multipliers,
             :data:`lightning_scale.core.cost.PRICING`) or a number multiplying the price.
         target_loss: record the cost and time at which ``monitor`` first reaches this value.
@@ -125,16 +126,20 @@ class CostMonitor(Callback):
         if self.price_per_device_hour is not None:
             return self.price_per_device_hour * self.multiplier
         name = telemetry.device_name(trainer)
-        price = device_price(name)
+        offers = device_offers(name)
+        price = offers[0] if offers else None
         if price is None:
             rank_zero_warn(
                 f"CostMonitor: no price is known for {name!r}, so cost/usd is not logged. Pass "
                 "CostMonitor(price_per_device_hour=...) in USD per device-hour."
             )
             return None
+        # Alternatives (other clouds) are shown, never used: the default is the documented one.
+        others = "".join(f"; also {o.offer}: ${o.usd_per_device_hour:.3f}/device-hour ({o.date})"
+                         for o in offers[1:])  # fmt: skip
         rank_zero_info(
             f"CostMonitor: ${price.usd_per_device_hour:.3f}/device-hour x {self.multiplier} ({price.offer}, "
-            f"{price.date}, {price.source})."
+            f"{price.date}, {price.source}){others}."
         )
         return price.usd_per_device_hour * self.multiplier
 
