@@ -120,6 +120,10 @@ def test_default_run_trains_two_processes_and_the_loss_falls(quickstart: _Run) -
     # Hyper-parameters as plain values (Hydra's ListConfig would be kept as its repr).
     assert load_full_checkpoint(last)["hyper_parameters"]["betas"] == (0.9, 0.95)
     assert (run_dir / "csv" / "metrics.csv").is_file()
+    # train.log holds what the console showed: the package's lines and Lightning's messages.
+    log = (run_dir / "train.log").read_text()
+    for line in ("lightning-scale-train: ", "step 300/300 | train/loss", "HybridParallelStrategy: dp=2", "`Trainer.fit` stopped", "summary: "):
+        assert line in log, line
     assert quickstart.elapsed_s < 180, f"the quickstart must finish in under 3 minutes on 2 cores, took {quickstart.elapsed_s:.0f} s"
 
 

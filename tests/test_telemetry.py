@@ -21,6 +21,7 @@ from torch import nn
 
 import lightning_scale.callbacks._telemetry as telemetry
 from lightning_scale.callbacks import (
+    ConsoleLogger,
     CheckpointIntervalAdvisor,
     CostMonitor,
     NumericalHealth,
@@ -607,3 +608,33 @@ def test_energy_comes_from_nvml_counters_and_is_absent_without_them(monkeypatch:
     assert not _Energy(torch.device("cpu")).available and _Energy(torch.device("cpu")).take() is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
     assert not _Energy(torch.device("cuda", 0)).available
+
+
+# ---------------------------------------------------------------------------- the console
+
+
+def test_console_lines_show_the_figures_published_at_their_step_whatever_the_callback_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The console listed first, as conf/callbacks/default.yaml lists it: it still prints after Throughput.
+    console = ConsoleLogger(every_n_steps=2, metrics=("train/tokens_per_sec",))
+    checkpoint = ModelCheckpoint(dirpath=None, save_top_k=0)
+    logged = _fit([console, checkpoint, Throughput(window=1, peak_flops=1e9)], steps=4, log_every_n_steps=2,
+                  enable_checkpointing=True)  # fmt: skip
+    printed = [float(x) for x in re.findall(r"train/tokens_per_sec ([\d.]+)", capsys.readouterr().out)]
+    published = [logged.steps[step - 1]["train/tokens_per_sec"] for step in (2, 4)]
+    assert printed == pytest.approx(published, abs=1e-4)
+    assert len(set(published)) == 2  # the two steps' figures differ: a stale line would be seen
+
+
+def test_console_lines_reach_their_log_for_the_runs_log_file(caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_scale.callbacks.console import CONSOLE_LOG
+
+    handler = caplog.handler
+    CONSOLE_LOG.addHandler(handler)
+    CONSOLE_LOG.setLevel("INFO")
+    try:
+        _fit([ConsoleLogger(every_n_steps=2)], steps=2)
+    finally:
+        CONSOLE_LOG.removeHandler(handler)
+    assert [r.getMessage().split(" | ")[0] for r in caplog.records if r.name == CONSOLE_LOG.name] == ["step 2/2"]

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-__all__ = ["ConsoleLogger"]
+__all__ = ["CONSOLE_LOG", "ConsoleLogger"]
+
+CONSOLE_LOG = logging.getLogger("lightning_scale.console")
+"""Every printed line is logged here too (INFO). It has no handler and does not propagate, so the
+console shows each line once whatever the root logger does; give it a file handler to keep them
+(``lightning-scale-train`` writes them to the run's ``train.log``)."""
+CONSOLE_LOG.propagate = False
 
 
 class ConsoleLogger(Callback):
@@ -17,7 +25,9 @@ class ConsoleLogger(Callback):
 
     Meant for logs and non-interactive terminals, where a progress bar is noise. Reads the
     metrics already logged through ``self.log`` (``trainer.callback_metrics``), so it adds no
-    synchronisation; prints on global rank 0 only. Metrics logged only on the steps the loggers write
+    synchronisation; prints on global rank 0 only, and logs each line to :data:`CONSOLE_LOG`. It runs
+    after the other callbacks of a step (it moves itself behind them, ahead of the checkpoint
+    callbacks), so a line shows the figures they published at that step. Metrics logged only on the steps the loggers write
     (``train/grad_norm``, ``precision/*``) show their last logged value: make ``every_n_steps`` a
     multiple of ``Trainer(log_every_n_steps=...)``.
 
@@ -38,6 +48,21 @@ class ConsoleLogger(Callback):
     def _fmt(name: str, value: Any) -> str:
         value = float(value)
         return f"{name} {value:.4f}" if abs(value) >= 1e-3 else f"{name} {value:.3e}"
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self not in trainer.callbacks:
+            return
+        others = [c for c in trainer.callbacks if c is not self]
+        checkpoints = [c for c in others if isinstance(c, Checkpoint)]
+        # A new list: Lightning is iterating over the current one to call this hook.
+        trainer.callbacks = [*[c for c in others if not isinstance(c, Checkpoint)], self, *checkpoints]
+
+    @staticmethod
+    def emit(line: str) -> None:
+        """Print ``line`` and log it to :data:`CONSOLE_LOG`."""
+        print(line, flush=True)
+        CONSOLE_LOG.info(line)
 
     @override
     @rank_zero_only
@@ -61,7 +86,7 @@ class ConsoleLogger(Callback):
         if self._last_time is not None:
             parts.append(f"{(now - self._last_time) / (step - self._last_step):.3f} s/step")
         self._last_time, self._last_step = now, step
-        print(" | ".join(parts), flush=True)
+        self.emit(" | ".join(parts))
 
     @override
     @rank_zero_only
@@ -70,4 +95,4 @@ class ConsoleLogger(Callback):
             return
         values = [self._fmt(k, v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")]
         if values:
-            print(f"validation at step {trainer.global_step} | " + " | ".join(values), flush=True)
+            self.emit(f"validation at step {trainer.global_step} | " + " | ".join(values))

@@ -27,7 +27,7 @@ from typing import Any, cast
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_scale.callbacks import Preempted, PreemptionCheckpoint
+from lightning_scale.callbacks import ConsoleLogger, Preempted, PreemptionCheckpoint
 from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
 from lightning_scale.cli.results import (
     SUMMARY_METRICS,
@@ -252,10 +252,9 @@ def _train(
 ) -> dict[str, Any]:
     ckpt_path = resume_checkpoint(cfg)
     if trainer.is_global_zero:
-        print(
+        ConsoleLogger.emit(
             f"lightning-scale-train: {num_parameters(module) / 1e6:.2f}M parameters | {trainer.world_size} process(es) | "
-            f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}",
-            flush=True,
+            f"global batch {datamodule.global_batch_size} x {datamodule.seq_len} tokens | run_dir {cfg.run_dir}"
         )
     log_config(trainer, cfg)
     summary: dict[str, Any] = {}
@@ -285,7 +284,7 @@ def _train(
     if trainer.is_global_zero:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        print("summary: " + json.dumps(summary), flush=True)
+        ConsoleLogger.emit("summary: " + json.dumps(summary))
         results = job_results(cfg, summary, record, trainer, datamodule, peaks)
         (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
     return summary
@@ -309,6 +308,23 @@ def _job_info(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _log_to_run_files() -> None:
+    """Lightning's messages and the console's lines into the run's log files too (Hydra's job logging
+    gave the root logger a file handler, ``train.log``): Lightning's loggers keep their own console
+    handler and do not propagate, and the console lines are printed."""
+    import logging
+
+    from lightning_scale.callbacks.console import CONSOLE_LOG
+
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for logger in (logging.getLogger("lightning.pytorch"), logging.getLogger("lightning.fabric"), CONSOLE_LOG):
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+        if logger is CONSOLE_LOG and files:
+            logger.setLevel(logging.INFO)
+
+
 def _hydra_entry() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -324,6 +340,7 @@ def _hydra_entry() -> None:
         if job["multirun"]:
             return sweep.run_job(cfg, resolved, job)  # its own processes, never in this one
         run_dir.mkdir(parents=True, exist_ok=True)
+        _log_to_run_files()
         job["layout"] = sweep.layout_of(resolved, job["strategy_choice"])
         sweep.prepare_job(resolved, job)
         if global_rank() == 0:
