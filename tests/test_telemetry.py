@@ -638,3 +638,69 @@ def test_console_lines_reach_their_log_for_the_runs_log_file(caplog: pytest.LogC
     finally:
         CONSOLE_LOG.removeHandler(handler)
     assert [r.getMessage().split(" | ")[0] for r in caplog.records if r.name == CONSOLE_LOG.name] == ["step 2/2"]
+
+
+# ---------------------------------------------------------------------------- a CPU's peak
+
+
+class _BusyThenSteadyClock:
+    """``perf_counter`` for :mod:`lightning_scale.core.peaks`: each reading advances ``tick`` seconds,
+    20 times that during the first ``busy`` readings (a busy moment of the machine)."""
+
+    def __init__(self, tick: float, busy: int) -> None:
+        self.tick, self.busy, self.now, self.readings = tick, busy, 0.0, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        self.now += self.tick * (20 if self.readings <= self.busy else 1)
+        return self.now
+
+
+def test_a_busy_moment_does_not_set_the_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_scale.core import peaks
+
+    size, tick = 16, 1e-3
+    clock = _BusyThenSteadyClock(tick, busy=4)  # the first timing on a busy machine
+    monkeypatch.setattr(peaks, "time", clock)
+    monkeypatch.setattr(peaks, "_MEASURED", {})
+    peak = peaks.measured_peak("float32", size=size, seconds=50 * tick)
+    assert peak == pytest.approx(2 * size**3 / tick, rel=0.05)  # the steady rate: the median of the repeats
+
+
+def test_the_peak_is_measured_once_per_machine_and_recorded_for_the_study(tmp_path: Any) -> None:
+    from lightning_scale.core.peaks import machine_key, recorded_peak
+
+    path, calls = tmp_path / "study" / "peaks.json", []
+
+    def measure() -> float:
+        calls.append(1)
+        return 3e10 + len(calls)
+
+    key = machine_key("float32", 2)
+    assert recorded_peak(path, key, measure) == (3e10 + 1, True)
+    assert recorded_peak(path, key, measure) == (3e10 + 1, False)  # read, not measured again
+    assert recorded_peak(path, machine_key("float64", 2), measure) == (3e10 + 2, True)
+    assert len(calls) == 2 and socket.gethostname() in key and "processes=2" in key
+    # Every job of a study then divides by the same figure.
+    first = _fit([Throughput(window=1, peak_file=path)], steps=2).steps[-1]
+    second = _fit([Throughput(window=1, peak_file=path)], steps=2).steps[-1]
+    assert first["train/peak_flops_measured"] == second["train/peak_flops_measured"]
+
+
+def test_an_mfu_above_one_is_a_measurement_error_never_logged_as_utilisation() -> None:
+    with pytest.warns(UserWarning, match=r"x the peak of .* which is a measurement error, so train/mfu and train/hfu are not logged"):
+        last = _fit([Throughput(window=1, peak_flops=1.0, recomputed_fraction=1.0)], steps=2).steps[-1]
+    assert "train/mfu" not in last and "train/hfu" not in last
+    assert last["train/achieved_tflops_per_device"] > 0 and last["train/tokens_per_sec"] > 0
+
+
+def test_padding_left_out_of_the_token_count_leaves_the_flops_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry, "clock", FakeClock(0.25))
+    half = _fit([Throughput(window=2, peak_flops=1e12, token_count=lambda batch: batch[0].numel() // 2)], steps=4)
+    whole = _fit([Throughput(window=2, peak_flops=1e12)], steps=4)
+    assert half.steps[-1]["train/tokens_per_sec"] == pytest.approx(whole.steps[-1]["train/tokens_per_sec"] / 2)
+    assert half.steps[-1]["train/mfu"] == pytest.approx(whole.steps[-1]["train/mfu"])
+    assert whole.steps[-1]["train/batches_per_sec"] == pytest.approx(1 / 0.25)
+    assert whole.steps[-1]["train/achieved_tflops_per_device"] == pytest.approx(
+        FLOPS_PER_TOKEN * BATCH * SEQ / 0.25 / 1e12
+    )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -13,7 +15,7 @@ from typing_extensions import override
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.flops import model_flops_utilization
 from lightning_scale.core.model_facts import FLOPS_HOOK, ModelFacts
-from lightning_scale.core.peaks import device_peak, measured_peak
+from lightning_scale.core.peaks import PEAK_FILE_ENV, device_peak, machine_key, measured_peak, recorded_peak
 
 __all__ = ["Throughput"]
 
@@ -52,6 +54,15 @@ class Throughput(telemetry.TimedCallback):
             (the batch, a tuple's first element or ``input_ids``; a float input is one token per sample).
         recomputed_fraction: share of the model whose forward is recomputed; default: from the
             ``HybridParallelStrategy``'s activation checkpointing (``full`` 1, ``selective`` 1/k), else 0.
+        peak_file: a JSON file where a CPU's measured peak is recorded per machine and reused
+            (default: the ``LIGHTNING_SCALE_PEAK_FILE`` environment variable, which a sweep sets to its
+            study's ``peaks.json``; unset: measured in each process).
+        token_count: ``batch -> tokens`` counted in ``train/tokens*`` (e.g. leaving out padding:
+            ``lambda b: int(b["attention_mask"].sum())``); FLOPs and MFU stay those of the whole batch.
+
+    Also logged: ``train/batches_per_sec`` (optimizer steps) and ``train/achieved_tflops_per_device``
+    (the model's FLOPs per second per device). An MFU above 1 is a measurement error (a peak or a FLOPs
+    count that is wrong): it is warned about once and neither MFU nor HFU is logged.
     """
 
     needs_model_flops = True
@@ -65,6 +76,8 @@ class Throughput(telemetry.TimedCallback):
         causal: bool = False,
         batch_shape: Callable[[Any], tuple[int, int]] | None = None,
         recomputed_fraction: float | None = None,
+        peak_file: str | os.PathLike[str] | None = None,
+        token_count: Callable[[Any], int] | None = None,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window={window!r} must be a positive number of optimizer steps.")
@@ -78,6 +91,8 @@ class Throughput(telemetry.TimedCallback):
         self.causal = causal
         self.batch_shape = batch_shape
         self.recomputed_fraction = recomputed_fraction
+        self.peak_file = peak_file
+        self.token_count = token_count
         self.facts: ModelFacts | None = None
         self._peak: float | None = None
         self._measured_peak = False
@@ -96,18 +111,21 @@ class Throughput(telemetry.TimedCallback):
         self._totals = [0.0, 0.0, 0.0]
         self._clock = telemetry.TrainClock()
         self._warned_flops = False
+        self._warned_above_peak = False
 
     def _find_peak(self, trainer: Trainer) -> tuple[float | None, bool]:
         if self.peak_flops is not None:
             return float(self.peak_flops), False
         dtype, name = telemetry.compute_dtype(trainer), telemetry.device_name(trainer)
         if name == "cpu":
-            peak = measured_peak(dtype)
+            path = self.peak_file if self.peak_file is not None else os.environ.get(PEAK_FILE_ENV)
+            recorded, _ = recorded_peak(path, key=machine_key(dtype, trainer.num_devices), measure=lambda: measured_peak(dtype))
             rank_zero_info(
-                f"Throughput: a CPU has no datasheet peak; MFU is against {peak / 1e9:.1f} GFLOP/s per process, "
-                f"measured by a {dtype} matmul (train/peak_flops_measured)."
+                f"Throughput: a CPU has no datasheet peak; MFU is against {recorded / 1e9:.1f} GFLOP/s per process, "
+                f"the median of repeated {dtype} matmuls (train/peak_flops_measured)"
+                + (f", recorded in {path} for this machine." if path else ".")
             )
-            return peak, True
+            return recorded, True
         peak = device_peak(name, dtype)
         if peak is None:
             rank_zero_warn(
@@ -129,6 +147,15 @@ class Throughput(telemetry.TimedCallback):
 
     # ------------------------------------------------------------------ counting
 
+    def _counted(self, batch: Any) -> int:
+        assert self.token_count is not None
+        count = self.token_count(batch)
+        if isinstance(count, torch.Tensor):
+            count = int(count.item())  # one read of the batch's count; give an int to avoid it
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise TypeError(f"token_count returned {count!r}; it must return the batch's tokens as a non-negative int.")
+        return count
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._marks.append(_Mark(self._clock.now(), *self._totals))
@@ -138,8 +165,8 @@ class Throughput(telemetry.TimedCallback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
-        tokens = samples * seq_len
-        self._totals[0] += tokens
+        tokens = samples * seq_len  # what the model computes on, padding included: its FLOPs
+        self._totals[0] += tokens if self.token_count is None else self._counted(batch)
         self._totals[1] += samples
         assert self.facts is not None
         if self.facts.source == "none" and not self._warned_flops and self._uncut:
@@ -178,13 +205,28 @@ class Throughput(telemetry.TimedCallback):
             "train/tokens_per_sec_per_device": tokens / seconds / devices,
             "train/samples_per_sec": samples / seconds,
             "train/samples_per_sec_per_device": samples / seconds / devices,
+            "train/batches_per_sec": (len(self._marks) - 1) / seconds,  # optimizer steps (global batches)
         }
+        if flops > 0:
+            out["train/achieved_tflops_per_device"] = flops / seconds / devices / 1e12  # the model's FLOPs
         if self._peak is not None and flops > 0:
             # flops / tokens: FLOPs per token averaged over the window's sequence lengths.
             mfu = model_flops_utilization(flops / tokens, tokens / seconds, devices, self._peak)
+            if self._measured_peak:
+                out["train/peak_flops_measured"] = self._peak
+            if mfu > 1:
+                # More FLOP/s than the peak: the peak (or the FLOPs count) is wrong, not the utilisation.
+                if not self._warned_above_peak:
+                    self._warned_above_peak = True
+                    rank_zero_warn(
+                        f"Throughput: the model ran at {mfu:.2f}x the peak of {self._peak / 1e12:.4g} TFLOP/s per device, "
+                        "which is a measurement error, so train/mfu and train/hfu are not logged: "
+                        + ("the CPU peak was measured low (a busy machine?); pass Throughput(peak_flops=...) or delete the "
+                           "recorded peak to measure again." if self._measured_peak else
+                           "check peak_flops and the model's FLOPs per token.")
+                    )
+                return out
             out["train/mfu"] = mfu
             if self._fraction > 0:
                 out["train/hfu"] = mfu * (1 + self._fraction / 3)
-            if self._measured_peak:
-                out["train/peak_flops_measured"] = self._peak
         return out

@@ -40,6 +40,7 @@ from lightning_scale.cli.results import (
 )
 from lightning_scale.cli.resume import check_checkpoint_path, resume_checkpoint
 from lightning_scale.models import GPTConfig
+from lightning_scale.core.peaks import PEAK_FILE_ENV
 from lightning_scale.core.process_groups import end_process_groups
 from lightning_scale.strategies import HybridParallelStrategy
 
@@ -338,6 +339,8 @@ def _hydra_entry() -> None:
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         job = _job_info(resolved)
         if job["multirun"]:
+            # One measured CPU peak per machine for the whole study: its jobs' MFU share a denominator.
+            os.environ.setdefault(PEAK_FILE_ENV, str(Path(HydraConfig.get().sweep.dir).resolve() / "peaks.json"))
             return sweep.run_job(cfg, resolved, job)  # its own processes, never in this one
         run_dir.mkdir(parents=True, exist_ok=True)
         _log_to_run_files()

@@ -18,13 +18,21 @@ Each :class:`Peak` has the URL of its source and the month (``YYYY-MM``) of that
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import platform
 import re
+import socket
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["PEAKS", "DTYPES", "Peak", "chip_of", "device_peak", "measured_peak"]
+__all__ = ["PEAKS", "PEAK_FILE_ENV", "DTYPES", "Peak", "chip_of", "device_peak", "machine_key", "measured_peak", "recorded_peak"]
 
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 
@@ -141,21 +149,87 @@ _TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": tor
                  "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
 _MEASURED: dict[tuple[str, str, int, int], float] = {}
 
+PEAK_FILE_ENV = "LIGHTNING_SCALE_PEAK_FILE"
+"""A JSON file of measured CPU peaks by machine (:func:`recorded_peak`); a sweep points its jobs at
+its study's ``peaks.json``."""
 
-def measured_peak(dtype: str, device: str = "cpu", *, size: int = 512, seconds: float = 0.1) -> float:
-    """FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` on ``device``, timed for about ``seconds``
-    after a warm-up: the peak for devices without a datasheet figure (CPUs), at this process's thread
-    count. Measured once per (device, dtype, size, threads) in a process."""
+
+def measured_peak(
+    dtype: str, device: str = "cpu", *, size: int = 1024, repeats: int = 7, seconds: float = 0.05
+) -> float:
+    """FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` on ``device``: the median of ``repeats``
+    timings of about ``seconds`` each, after a warm-up, so one busy moment does not set it (a single
+    short timing of a small matmul made MFU exceed 1 on a loaded machine). The peak for devices
+    without a datasheet figure (CPUs), at this process's thread count; measured once per (device,
+    dtype, size, threads) in a process. See :func:`recorded_peak` to measure once per machine."""
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot be measured; one of {tuple(_TORCH_DTYPES)}.")
+    for name, value in (("size", size), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
     key = (device, dtype, size, torch.get_num_threads())
     if key not in _MEASURED:
         a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
         b = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
         torch.mm(a, b)  # warm-up: kernels chosen, threads started
-        calls, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds or calls < 3:
-            torch.mm(a, b)
-            calls += 1
-        _MEASURED[key] = 2 * size**3 * calls / elapsed
+        rates = []
+        for _ in range(repeats):
+            calls, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds or calls < 2:
+                torch.mm(a, b)
+                calls += 1
+            rates.append(2 * size**3 * calls / elapsed)
+        _MEASURED[key] = statistics.median(rates)
     return _MEASURED[key]
+
+
+def machine_key(dtype: str, processes_per_machine: int) -> str:
+    """What a measured CPU peak depends on: host, processor model, threads per process, processes
+    sharing the machine, and dtype."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{model}|threads={torch.get_num_threads()}|processes={processes_per_machine}|{dtype}"
+
+
+def _read_peak(path: Path, key: str) -> float | None:
+    try:
+        record = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None  # absent or unreadable: measured (again) and rewritten
+    value = record.get("flops") if isinstance(record, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def recorded_peak(path: str | os.PathLike[str] | None, key: str, measure: Callable[[], float]) -> tuple[float, bool]:
+    """The peak recorded under ``key`` in the JSON file ``path``, else ``measure()`` recorded there;
+    ``(peak, measured_now)``. ``measure`` runs outside the file's lock, so the processes sharing a
+    machine measure at once, as they will train; the first figure recorded is then everyone's, and
+    the jobs of a study share one denominator for MFU. ``path=None``: measured, nothing recorded."""
+    if path is None:
+        return measure(), True
+    path = Path(path)
+    found = _read_peak(path, key)
+    if found is not None:
+        return found, False
+    peak = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _read_peak(path, key)
+        if found is not None:
+            return found, False
+        try:
+            records = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            records = {}
+        if not isinstance(records, dict):
+            records = {}
+        records[key] = {"flops": peak, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(records, indent=2))
+        os.replace(tmp, path)
+        return peak, True
