@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_scale.core.data_parallel import apply_activation_checkpointing
 from lightning_scale.core.flops import (
     hardware_flops_per_token,
     matmul_parameters,
@@ -15,8 +20,10 @@ from lightning_scale.core.flops import (
     model_flops_utilization,
     transformer_flops_per_token,
 )
+from lightning_scale.core.model_facts import ModelFacts
 from lightning_scale.core.peaks import PEAKS, chip_of, device_peak
 from lightning_scale.models import GPT, PRESETS
+from lightning_scale.strategies._parallelize import checkpointed_blocks
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -38,6 +45,80 @@ def test_causal_halves_attention_and_recomputation_adds_a_forward() -> None:
     assert transformer_flops_per_token(1000, 2, 4, 8, 16, causal=True) == 6 * 1000 + 6 * 2 * 4 * 8 * 16
     assert hardware_flops_per_token(1000, 2, 4, 8, 16) == 8 * 1000 + 16 * 2 * 4 * 8 * 16
     assert hardware_flops_per_token(1000, 2, 4, 8, 16, recomputed_fraction=0.0) == full
+
+
+def _gpt(n_layers: int) -> tuple[nn.Module, list[nn.Module]]:
+    with torch.device("meta"):
+        model = GPT({**PRESETS["tiny"].__dict__, "n_layers": n_layers})
+    return model, list(model.blocks.values())
+
+
+def _llama(n_layers: int) -> tuple[nn.Module, list[nn.Module]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=n_layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return model, list(model.model.layers)
+
+
+MODELS: dict[str, Callable[[int], tuple[nn.Module, list[nn.Module]]]] = {"gpt": _gpt, "llama": _llama}
+SEQ = 128
+
+
+def _step_flops(model: nn.Module, tokens: torch.Tensor) -> int:
+    """FlopCounterMode over one training step (forward and backward) on meta tensors."""
+    with FlopCounterMode(display=False) as counter:
+        output = model(tokens)
+        (output if isinstance(output, torch.Tensor) else output.logits).float().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("stages", [(5,), (3, 3)], ids=["pp1-5-blocks", "pp2-3+3-blocks"])
+def test_hardware_flops_are_the_flop_counters_count_of_a_step_with_the_packages_checkpointing(
+    family: str, mode: str, stages: Sequence[int]
+) -> None:
+    """Recomputation counted per block, summed over the blocks each pipeline stage wraps, against
+    FlopCounterMode over a step of the model with each stage's blocks wrapped by the real wrapper.
+    ``selective`` (every 2nd block): 5 blocks wrap 3, not 5/2; two stages of 3 wrap 2 each, not 6/2."""
+    tokens = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+    model, blocks = MODELS[family](sum(stages))
+    facts = ModelFacts.of(model)
+    assert facts.measure_recomputation(model, tokens, blocks)
+    assert all("forward" not in vars(b) for b in blocks)  # the blocks are left as they were
+    starts = [sum(stages[:i]) for i in range(len(stages))]
+    rank_blocks = [range(start, start + n) for start, n in zip(starts, stages)]
+    facts.checkpointed_blocks = checkpointed_blocks(rank_blocks, mode, 2)
+    assert len(facts.checkpointed_blocks) == (sum(stages) if mode == "full" else sum(math.ceil(n / 2) for n in stages))
+
+    reference, reference_blocks = MODELS[family](sum(stages))
+    plain = _step_flops(reference, tokens)
+    for stage in rank_blocks:
+        apply_activation_checkpointing([reference_blocks[b] for b in stage], mode, 2)
+    hardware = _step_flops(reference, tokens)
+
+    model_flops, recomputed = facts.flops_per_token(SEQ), facts.recomputed_flops_per_token(SEQ)
+    assert (model_flops + recomputed) / model_flops == pytest.approx(hardware / plain, rel=0.01)
+    if family == "gpt":  # its analytic count is the counter's: the hardware FLOPs themselves agree
+        assert model_flops + recomputed == pytest.approx(hardware / tokens.numel(), rel=0.01)
+    if mode == "full":  # the textbook 8N + 16LHQT recomputes the head and every block's last layer too
+        s = facts.shape
+        textbook = hardware_flops_per_token(facts.matmul_parameters, s.n_layers, s.n_heads, s.head_dim, SEQ)
+        assert textbook > 1.05 * (model_flops + recomputed)
+
+
+def test_recomputation_is_zero_without_checkpointed_blocks_and_unknown_when_not_counted() -> None:
+    model, blocks = _gpt(2)
+    facts = ModelFacts.of(model)
+    assert facts.recomputed_flops_per_token(SEQ) == 0.0
+    facts.checkpointed_blocks = (0, 1)
+    assert facts.recomputed_flops_per_token(SEQ) is None
+    assert facts.measure_recomputation(model, torch.zeros(2, SEQ, dtype=torch.long), blocks)
+    # At another length it scales with the model's FLOPs per token.
+    share = facts.recomputed_flops_per_token(SEQ) / facts.flops_per_token(SEQ)
+    assert facts.recomputed_flops_per_token(SEQ // 2) == pytest.approx(share * facts.flops_per_token(SEQ // 2))
 
 
 def test_a_tied_head_counts_its_matmul_and_embeddings_do_not() -> None:

@@ -18,6 +18,7 @@ from helpers.models import StackModule, lm_loss
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import lightning_scale.callbacks._telemetry as telemetry
 from lightning_scale.callbacks import (
@@ -39,6 +40,7 @@ from lightning_scale.core.cost import (
     price_key,
     price_multiplier,
 )
+from lightning_scale.core.data_parallel import apply_activation_checkpointing
 from lightning_scale.core.health import LossSpikeDetector
 from lightning_scale.core.model_facts import ModelFacts, transformer_shape
 from lightning_scale.data import TextDataModule
@@ -213,6 +215,31 @@ def _cost_on_two(world: int) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("cost/")}
 
 
+HFU_CASES: dict[str, tuple[dict[str, int], int, str]] = {
+    # (layout, layers, activation_checkpointing); selective wraps every 2nd block of each pipeline rank's.
+    "dp2-full": ({"data_parallel": 2}, 3, "full"),
+    "dp2-selective": ({"data_parallel": 2}, 3, "selective"),  # 2 of 3 blocks, not 3/2
+    "pp2-full": ({"data_parallel": 1, "pipeline_parallel": 2}, 6, "full"),
+    "pp2-selective": ({"data_parallel": 1, "pipeline_parallel": 2}, 6, "selective"),  # 2 of each rank's 3
+}
+
+
+def _hfu(world: int, case: str) -> dict[str, Any]:
+    """MFU and HFU as logged under the strategy's activation checkpointing, and the blocks it wrapped here."""
+    layout, layers, mode = HFU_CASES[case]
+    seed_everything(0, verbose=False)
+    last = LastMetrics()
+    strategy = HybridParallelStrategy(**layout, activation_checkpointing=mode, activation_checkpointing_every=2,
+                                      **({"microbatches": 2} if layout.get("pipeline_parallel", 1) > 1 else {}))  # fmt: skip
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=2, callbacks=[Throughput(peak_flops=1e9), last])
+    config = GPTConfig(n_layers=layers, d_model=32, n_heads=2, block_size=16)
+    trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    module, pipeline = trainer.lightning_module, trainer.strategy.pipeline
+    wrapped = [n for n, m in module.named_modules() if getattr(m, "_lightning_scale_checkpointed", False)]
+    held = len(pipeline.block_modules()) if pipeline is not None else layers
+    return {"mfu": last.metrics["train/mfu"], "hfu": last.metrics["train/hfu"], "wrapped": wrapped, "held": held}
+
+
 CASES_2: dict[str, Any] = {
     "cost": _cost_on_two,
     "pp2": lambda w: _facts_at(w, data_parallel=1, pipeline_parallel=2),
@@ -221,6 +248,7 @@ CASES_2: dict[str, Any] = {
     "bubble-m2": lambda w: _bubble(w, 2),
     "bubble-m8": lambda w: _bubble(w, 8),
     "stragglers": _stragglers,
+    **{f"hfu-{case}": (lambda w, case=case: _hfu(w, case)) for case in HFU_CASES},
 }
 
 
@@ -237,6 +265,36 @@ def test_parameter_count_and_flops_are_the_whole_models_at_every_layout(two: lis
         assert (params, non_embedding, flops) == (whole[0], whole[1], whole[3])
         if layout == "pp2":
             assert local < params  # each stage holds only its blocks: the facts were taken before the cut
+
+
+def _training_step_flops(module: GPTLightningModule) -> int:
+    tokens = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        module.model(tokens).float().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("case", list(HFU_CASES))
+def test_hfu_is_the_flop_counters_count_of_a_step_with_the_blocks_the_strategy_checkpointed(
+    two: list[dict[str, Any]], case: str
+) -> None:
+    """HFU/MFU against FlopCounterMode over a training step of the whole model (meta tensors) with the
+    package's checkpointing wrapped around the very blocks the ranks wrapped; no block is recomputed
+    whole (the last linear layer is not) and the head is not at all, so ``1 + f/3`` overstates it."""
+    layout, layers, mode = HFU_CASES[case]
+    ranks = [rank[f"hfu-{case}"] for rank in two]
+    wrapped = sorted({name for rank in ranks for name in rank["wrapped"]})
+    pipelined = layout.get("pipeline_parallel", 1) > 1
+    held = [rank["held"] for rank in ranks] if pipelined else [layers]
+    assert len(wrapped) == (layers if mode == "full" else sum(math.ceil(n / 2) for n in held)), wrapped
+    with torch.device("meta"):
+        module = GPTLightningModule(GPTConfig(n_layers=layers, d_model=32, n_heads=2, block_size=16))
+    plain = _training_step_flops(module)
+    for name in wrapped:
+        apply_activation_checkpointing([module.get_submodule(name)], "full")
+    hardware = _training_step_flops(module)
+    for rank in ranks:
+        assert rank["hfu"] / rank["mfu"] == pytest.approx(hardware / plain, rel=0.01)
 
 
 def test_the_measured_bubble_falls_with_microbatches_and_is_near_the_prediction(two: list[dict[str, Any]]) -> None:
@@ -274,7 +332,7 @@ def test_stragglers_and_advisor_reject_bad_arguments() -> None:
 
 def test_throughput_and_mfu_from_a_patched_clock_equal_hand_computed_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(telemetry, "clock", FakeClock(0.25))  # every step takes 0.25 s
-    logged = _fit([Throughput(window=2, peak_flops=1e9, recomputed_fraction=0.5)], steps=4)
+    logged = _fit([Throughput(window=2, peak_flops=1e9, recomputed_flops_per_token=1000.0)], steps=4)
     last = logged.steps[-1]
     tokens_per_sec = BATCH * SEQ / 0.25
     assert last["train/tokens_per_sec"] == pytest.approx(tokens_per_sec)
@@ -282,7 +340,7 @@ def test_throughput_and_mfu_from_a_patched_clock_equal_hand_computed_values(monk
     assert last["train/samples_per_sec"] == pytest.approx(BATCH / 0.25)
     assert last["train/tokens"] == 4 * BATCH * SEQ
     assert last["train/mfu"] == pytest.approx(FLOPS_PER_TOKEN * tokens_per_sec / 1e9)
-    assert last["train/hfu"] == pytest.approx(last["train/mfu"] * (1 + 0.5 / 3))
+    assert last["train/hfu"] == pytest.approx((FLOPS_PER_TOKEN + 1000.0) * tokens_per_sec / 1e9)  # the override
     assert "train/peak_flops_measured" not in last
 
 
@@ -342,12 +400,23 @@ def test_a_model_without_flops_warns_naming_the_hook() -> None:
     [
         ({"window": 0}, r"window=0 must be a positive number of optimizer steps"),
         ({"peak_flops": -1.0}, r"peak_flops=-1.0 must be a positive number of FLOP/s per device"),
-        ({"recomputed_fraction": 2.0}, r"recomputed_fraction=2.0 must be between 0 and 1"),
+        ({"recomputed_flops_per_token": -1.0}, r"recomputed_flops_per_token=-1.0 must be a number >= 0: the FLOPs "
+         r"per token that recomputing .* Pass None to have them counted"),
     ],
 )
 def test_throughput_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Throughput(**kwargs)
+
+
+def test_checkpointed_blocks_whose_recomputation_was_not_counted_warn_naming_the_override() -> None:
+    throughput = Throughput()
+    throughput.facts = ModelFacts.of(GPTLightningModule(CONFIG))
+    throughput.facts.checkpointed_blocks = (0, 1)
+    throughput._warned_recomputed = False
+    with pytest.warns(UserWarning, match=r"wraps 2 blocks, but what their recomputation costs was not counted.*"
+                                         r"train/hfu is not logged\. Pass Throughput\(recomputed_flops_per_token=\.\.\.\)"):  # fmt: skip
+        assert throughput._recomputed(SEQ) == 0.0
 
 
 # ---------------------------------------------------------------------------- step time, checkpoint interval
@@ -689,7 +758,7 @@ def test_the_peak_is_measured_once_per_machine_and_recorded_for_the_study(tmp_pa
 
 def test_an_mfu_above_one_is_a_measurement_error_never_logged_as_utilisation() -> None:
     with pytest.warns(UserWarning, match=r"x the peak of .* which is a measurement error, so train/mfu and train/hfu are not logged"):
-        last = _fit([Throughput(window=1, peak_flops=1.0, recomputed_fraction=1.0)], steps=2).steps[-1]
+        last = _fit([Throughput(window=1, peak_flops=1.0, recomputed_flops_per_token=1e6)], steps=2).steps[-1]
     assert "train/mfu" not in last and "train/hfu" not in last
     assert last["train/achieved_tflops_per_device"] > 0 and last["train/tokens_per_sec"] > 0
 

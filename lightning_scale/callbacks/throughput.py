@@ -25,6 +25,7 @@ class _Mark(NamedTuple):
     tokens: float
     samples: float
     flops: float
+    recomputed: float
 
 
 class Throughput(telemetry.TimedCallback):
@@ -42,8 +43,14 @@ class Throughput(telemetry.TimedCallback):
     table (:mod:`lightning_scale.core.peaks`) for the dtype the precision computes in. On a CPU the
     peak is measured once by a matmul and logged as ``train/peak_flops_measured``. A device or dtype
     the table does not know gets a warning naming ``peak_flops`` and no MFU, never a guessed peak.
-    ``train/hfu`` (hardware FLOPs) is logged as well when activation checkpointing recomputes
-    forwards: a recomputed share ``f`` of the model adds ``f / 3`` of the training FLOPs.
+    ``train/hfu`` (hardware FLOPs utilisation) is logged as well when activation checkpointing
+    recomputes forwards: model FLOPs plus the FLOPs the backward spends recomputing. Those are counted,
+    not assumed: at set-up, before the model is cut, ``FlopCounterMode`` counts one training step on
+    meta tensors with every block checkpointed by the package's own wrapper, and attributes what each
+    block's recomputation costs (torch's non-reentrant checkpoint stops once the tensors the backward
+    needs are back: a block's last linear layer is not recomputed, nor is anything outside the
+    blocks); the blocks ``HybridParallelStrategy`` wraps on all pipeline ranks are summed
+    (``ModelFacts.recomputed_flops_per_token``).
 
     Args:
         window: optimizer steps the rates are averaged over.
@@ -52,8 +59,10 @@ class Throughput(telemetry.TimedCallback):
             kernels compute); the default counts the full product.
         batch_shape: ``batch -> (samples, tokens per sample)``; the default reads the token ids
             (the batch, a tuple's first element or ``input_ids``; a float input is one token per sample).
-        recomputed_fraction: share of the model whose forward is recomputed; default: from the
-            ``HybridParallelStrategy``'s activation checkpointing (``full`` 1, ``selective`` 1/k), else 0.
+        recomputed_flops_per_token: FLOPs per token that activation checkpointing adds to a training
+            step (hardware minus model FLOPs); default: counted as above under ``HybridParallelStrategy``'s
+            ``activation_checkpointing``, else 0 (no ``train/hfu``). Pass it for checkpointing applied
+            some other way.
         peak_file: a JSON file where a CPU's measured peak is recorded per machine and reused
             (default: the ``LIGHTNING_SCALE_PEAK_FILE`` environment variable, which a sweep sets to its
             study's ``peaks.json``; unset: measured in each process).
@@ -75,7 +84,7 @@ class Throughput(telemetry.TimedCallback):
         peak_flops: float | None = None,
         causal: bool = False,
         batch_shape: Callable[[Any], tuple[int, int]] | None = None,
-        recomputed_fraction: float | None = None,
+        recomputed_flops_per_token: float | None = None,
         peak_file: str | os.PathLike[str] | None = None,
         token_count: Callable[[Any], int] | None = None,
     ) -> None:
@@ -83,21 +92,30 @@ class Throughput(telemetry.TimedCallback):
             raise ValueError(f"window={window!r} must be a positive number of optimizer steps.")
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
             raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device.")
-        if recomputed_fraction is not None and not 0.0 <= recomputed_fraction <= 1.0:
-            raise ValueError(f"recomputed_fraction={recomputed_fraction!r} must be between 0 and 1.")
+        if recomputed_flops_per_token is not None and (
+            isinstance(recomputed_flops_per_token, bool)
+            or not isinstance(recomputed_flops_per_token, (int, float))
+            or not recomputed_flops_per_token >= 0
+        ):
+            raise ValueError(
+                f"recomputed_flops_per_token={recomputed_flops_per_token!r} must be a number >= 0: the FLOPs per token "
+                "that recomputing checkpointed activations adds to a training step (hardware minus model FLOPs). "
+                "Pass None to have them counted under HybridParallelStrategy's activation checkpointing."
+            )
         super().__init__()
         self.window = window
         self.peak_flops = peak_flops
         self.causal = causal
         self.batch_shape = batch_shape
-        self.recomputed_fraction = recomputed_fraction
+        self.recomputed_flops_per_token = recomputed_flops_per_token
         self.peak_file = peak_file
         self.token_count = token_count
         self.facts: ModelFacts | None = None
         self._peak: float | None = None
         self._measured_peak = False
         self._marks: deque[_Mark] = deque(maxlen=window + 1)
-        self._totals = [0.0, 0.0, 0.0]  # tokens, samples, flops on this process since fit started
+        # tokens, samples, model and recomputed FLOPs on this process since fit started
+        self._totals = [0.0, 0.0, 0.0, 0.0]
 
     # ------------------------------------------------------------------ set-up
 
@@ -106,11 +124,10 @@ class Throughput(telemetry.TimedCallback):
         self.facts = telemetry.model_facts(trainer, pl_module)
         self._uncut = not hasattr(trainer.strategy, "model_facts")
         self._peak, self._measured_peak = self._find_peak(trainer)
-        self._fraction = self._recomputed(trainer)
         self._marks.clear()
-        self._totals = [0.0, 0.0, 0.0]
+        self._totals = [0.0, 0.0, 0.0, 0.0]
         self._clock = telemetry.TrainClock()
-        self._warned_flops = False
+        self._warned_flops = self._warned_recomputed = False
         self._warned_above_peak = False
 
     def _find_peak(self, trainer: Trainer) -> tuple[float | None, bool]:
@@ -134,16 +151,20 @@ class Throughput(telemetry.TimedCallback):
             )
         return peak, False
 
-    def _recomputed(self, trainer: Trainer) -> float:
-        if self.recomputed_fraction is not None:
-            return self.recomputed_fraction
-        options = getattr(trainer.strategy, "options", None)
-        mode = getattr(options, "activation_checkpointing", "none")
-        if mode == "full":
-            return 1.0
-        if mode == "selective":
-            return 1.0 / max(1, int(getattr(options, "activation_checkpointing_every", 1)))
-        return 0.0
+    def _recomputed(self, seq_len: int) -> float:
+        if self.recomputed_flops_per_token is not None:
+            return float(self.recomputed_flops_per_token)
+        assert self.facts is not None
+        recomputed = self.facts.recomputed_flops_per_token(seq_len, causal=self.causal)
+        if recomputed is None and not self._warned_recomputed:
+            self._warned_recomputed = True
+            rank_zero_warn(
+                f"Throughput: activation checkpointing wraps {len(self.facts.checkpointed_blocks)} blocks, but what "
+                "their recomputation costs was not counted (it is counted at the set-up of a fit with this callback, "
+                "on meta tensors; the model was set up without it, or its training step cannot run on meta tensors), "
+                "so train/hfu is not logged. Pass Throughput(recomputed_flops_per_token=...) to report it."
+            )
+        return recomputed or 0.0
 
     # ------------------------------------------------------------------ counting
 
@@ -181,6 +202,7 @@ class Throughput(telemetry.TimedCallback):
                 f"train/mfu is not logged. Define {type(pl_module).__name__}.{FLOPS_HOOK}(self, seq_len) -> float."
             )
         self._totals[2] += tokens * (flops or 0.0)
+        self._totals[3] += tokens * self._recomputed(seq_len)
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return
         self._marks.append(_Mark(self._clock.now(), *self._totals))
@@ -190,9 +212,14 @@ class Throughput(telemetry.TimedCallback):
     def compute(self, trainer: Trainer) -> dict[str, float]:
         """The metrics over the window (one all-reduce when distributed)."""
         first, last = self._marks[0], self._marks[-1]
-        window = (last.tokens - first.tokens, last.samples - first.samples, last.flops - first.flops)
+        window = (
+            last.tokens - first.tokens,
+            last.samples - first.samples,
+            last.flops - first.flops,
+            last.recomputed - first.recomputed,
+        )
         per_replica = trainer.world_size / telemetry.replicas(trainer)
-        tokens, samples, flops, total_tokens, total_samples = (
+        tokens, samples, flops, recomputed, total_tokens, total_samples = (
             v / per_replica for v in telemetry.reduce_sum(trainer, [*window, *self._totals[:2]])
         )
         devices = trainer.world_size
@@ -227,6 +254,8 @@ class Throughput(telemetry.TimedCallback):
                     )
                 return out
             out["train/mfu"] = mfu
-            if self._fraction > 0:
-                out["train/hfu"] = mfu * (1 + self._fraction / 3)
+            if recomputed > 0:
+                out["train/hfu"] = model_flops_utilization(
+                    (flops + recomputed) / tokens, tokens / seconds, devices, self._peak
+                )
         return out

@@ -16,8 +16,15 @@ The analytic count for a decoder transformer (PaLM, Chowdhery et al. 2022, appen
 - Excluded, as everywhere: embedding lookups (no arithmetic), norms, activations, softmax, the
   loss, biases and the optimizer; these are a few per cent at most for real sizes.
 
-Activation checkpointing recomputes the forward: hardware FLOPs are ``8N + 16 L H Q T`` for a
-fully recomputed model (:func:`hardware_flops_per_token`), model FLOPs stay as above.
+Activation checkpointing recomputes forwards in the backward: hardware FLOPs exceed model FLOPs
+(which stay as above). The textbook figure, ``8N + 16 L H Q T`` for a whole forward recomputed once
+(:func:`hardware_flops_per_token`), is an upper bound: only the checkpointed blocks recompute, never
+the head or the embeddings, and torch's non-reentrant checkpoint stops re-running a block once the
+tensors its backward needs are back, so a block's last linear layer is not recomputed. With every
+block of the reference GPT checkpointed, ``FlopCounterMode`` counts hardware/model = 1.242 (tiny,
+256 tokens), 1.177 (gpt2-124m, 1024), 1.265 (7b, 4096), where the textbook figure gives 1.333.
+The ``Throughput`` callback counts the recomputation instead
+(:meth:`lightning_scale.core.model_facts.ModelFacts.measure_recomputation`).
 """
 
 from __future__ import annotations
@@ -75,9 +82,13 @@ def hardware_flops_per_token(
     recomputed_fraction: float = 1.0,
     causal: bool = False,
 ) -> float:
-    """FLOPs the hardware does per token when activation checkpointing recomputes the forward of
-    ``recomputed_fraction`` of the model (1.0: every block): model FLOPs plus that share of one more
-    forward (``2N + 4·L·H·Q·T``)."""
+    """The textbook hardware FLOPs per token (Megatron-LM's and PaLM's convention): model FLOPs plus
+    ``recomputed_fraction`` of one more whole forward (``2N + 4·L·H·Q·T``; 1.0: ``8N + 16·L·H·Q·T``).
+
+    An upper bound, for planning: torch's checkpointing recomputes less (not the head, not a block's
+    last linear layer; see the module doc), so this is 5-13% above the count for the reference GPT
+    presets. For what a run really recomputes, count it (``ModelFacts.measure_recomputation``, which
+    ``Throughput``'s ``train/hfu`` uses)."""
     if not 0.0 <= recomputed_fraction <= 1.0:
         raise ValueError(f"recomputed_fraction={recomputed_fraction!r} must be between 0 and 1.")
     model = transformer_flops_per_token(matmul_params, n_layers, n_heads, head_dim, seq_len, causal=causal)

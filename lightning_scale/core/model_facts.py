@@ -18,12 +18,20 @@ FLOPs per token, in order of preference:
    length.
 
 None of these applies: ``flops_per_token`` returns ``None`` and MFU is not reported.
+
+Hardware FLOPs add what activation checkpointing makes the backward recompute. That is counted, not
+assumed: torch's non-reentrant checkpoint stops re-running a block's forward as soon as the tensors
+its backward needs are regenerated (a block's last linear layer, whose output nothing saves, is not
+recomputed), and the layers outside the blocks (embeddings, the head) are never recomputed.
+:meth:`ModelFacts.measure_recomputation` counts, with ``FlopCounterMode`` over one training step on
+meta tensors with every block wrapped by the package's own checkpointing, the FLOPs each block's
+recomputation costs; ``checkpointed_blocks`` says which blocks a run wraps.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +39,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_scale.core.data_parallel import apply_activation_checkpointing
 from lightning_scale.core.flops import matmul_parameters, measured_flops_per_token, transformer_flops_per_token
 
-__all__ = ["FLOPS_HOOK", "ModelFacts", "TransformerShape", "batch_shape", "meta_step", "transformer_shape"]
+__all__ = [
+    "FLOPS_HOOK",
+    "ModelFacts",
+    "Recomputation",
+    "TransformerShape",
+    "batch_shape",
+    "meta_step",
+    "transformer_shape",
+]
 
 FLOPS_HOOK = "flops_per_token"
 
@@ -93,6 +110,20 @@ def batch_shape(batch: Any) -> tuple[int, int] | None:
     return samples, (tokens.numel() // samples if samples else 0)
 
 
+@dataclass(frozen=True)
+class Recomputation:
+    """What activation checkpointing makes the backward recompute, counted by ``FlopCounterMode`` over
+    one training step on meta tensors (:meth:`ModelFacts.measure_recomputation`)."""
+
+    seq_len: int
+    """Tokens per sample of the counted step."""
+    model_flops: float
+    """Training FLOPs per token of the step without any recomputation, as the counter counts them."""
+    blocks: tuple[float, ...]
+    """Per block, in the model's block order: FLOPs per token that re-running its forward adds to the
+    backward when the block is checkpointed."""
+
+
 @dataclass
 class ModelFacts:
     """Counts of the whole model (see the module doc). ``parameters`` counts each tied weight once;
@@ -106,6 +137,11 @@ class ModelFacts:
     hook: Callable[[int], float] | None = field(default=None, repr=False)
     measured: tuple[int, float] | None = None
     """``(seq_len, flops per token)`` counted by ``FlopCounterMode`` at set-up."""
+    recomputation: Recomputation | None = None
+    """Per block, the FLOPs its checkpointing recomputes (``None``: not counted)."""
+    checkpointed_blocks: tuple[int, ...] = ()
+    """Indices (in the model's block order) of the blocks activation checkpointing wraps, on every
+    pipeline stage together."""
     _cache: dict[int, float | None] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -152,6 +188,26 @@ class ModelFacts:
                                                causal=causal)
         return self.measured[1] if self.measured is not None else None
 
+    def recomputed_share(self) -> float | None:
+        """What recomputing the ``checkpointed_blocks`` adds to a training step, as a share of the step's
+        model FLOPs (both counted at ``recomputation.seq_len``): ``0.0`` when no block is checkpointed,
+        ``None`` when blocks are but their recomputation was not counted."""
+        if not self.checkpointed_blocks:
+            return 0.0
+        r = self.recomputation
+        return None if r is None else sum(r.blocks[i] for i in self.checkpointed_blocks) / r.model_flops
+
+    def recomputed_flops_per_token(self, seq_len: int, *, causal: bool = False) -> float | None:
+        """FLOPs per token that activation checkpointing adds to a training step at ``seq_len`` (hardware
+        FLOPs minus model FLOPs): :meth:`recomputed_share` of :meth:`flops_per_token`. At the counted
+        length, with a model count equal to the counter's (the analytic count of the reference GPT), it
+        is the counter's own figure; at other lengths, or ``causal``, it scales with the model count."""
+        share = self.recomputed_share()
+        if not share or self.recomputation is None:
+            return share
+        model = self.flops_per_token(seq_len, causal=causal)
+        return share * (model if model is not None else self.recomputation.model_flops)
+
     def measure(self, module: nn.Module, batch: Any) -> bool:
         """Count the FLOPs of one training step of ``module`` on meta copies of its tensors and of
         ``batch``'s (:func:`meta_step`): its ``training_step(batch, 0)`` when it has one (a
@@ -171,6 +227,70 @@ class ModelFacts:
                 self._cache.clear()
                 return True
         return False
+
+    def measure_recomputation(self, module: nn.Module, batch: Any, blocks: Sequence[nn.Module]) -> bool:
+        """Count, in one training step of ``module`` on meta tensors (as :meth:`measure`), what each of
+        ``blocks`` costs the backward when it is checkpointed: every block is wrapped by the package's
+        own activation checkpointing (non-reentrant ``torch.utils.checkpoint``) for the step, and the
+        FLOPs ``FlopCounterMode`` counts while the backward re-runs a block's forward are that block's.
+        The blocks are restored afterwards. ``False`` when the step cannot run on meta tensors."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        shape = batch_shape(batch)
+        if shape is None or shape[0] * shape[1] == 0 or not blocks:
+            return False
+        tokens = shape[0] * shape[1]
+        counter = FlopCounterMode(display=False)
+        recomputed = [0.0] * len(blocks)
+        in_backward = [False]
+
+        def counted(index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                if not in_backward[0]:
+                    return forward(*args, **kwargs)
+                before = counter.get_total_flops()
+                try:  # the recomputation ends early by raising once the saved tensors are regenerated
+                    return forward(*args, **kwargs)
+                finally:
+                    recomputed[index] += counter.get_total_flops() - before
+
+            return run
+
+        methods = ["training_step", "forward"] if callable(getattr(module, "training_step", None)) else ["forward"]
+        saved = [dict(block.__dict__) for block in blocks]
+        try:
+            for index, block in enumerate(blocks):
+                # The count wraps the block's own forward, inside the checkpoint: it sees the recomputation.
+                block.forward = counted(index, block.forward)  # type: ignore[method-assign]
+                apply_activation_checkpointing([block], "full")
+            for method in methods:
+                recomputed[:], in_backward[0] = [0.0] * len(blocks), False
+                try:
+                    with counter:
+                        meta_step(module, batch, method, before_backward=lambda: in_backward.__setitem__(0, True))
+                except Exception:
+                    continue
+                total = counter.get_total_flops()
+                if total > 0:
+                    self.recomputation = Recomputation(
+                        seq_len=shape[1],
+                        model_flops=(total - sum(recomputed)) / tokens,
+                        blocks=tuple(f / tokens for f in recomputed),
+                    )
+                    return True
+            return False
+        finally:
+            for block, before in zip(blocks, saved):
+                _restore_attributes(block, before)
+
+
+def _restore_attributes(module: nn.Module, before: Mapping[str, Any]) -> None:
+    """Undo what was set on ``module`` itself since ``before`` (a copy of its ``__dict__``)."""
+    for name in [n for n in module.__dict__ if n not in before]:
+        del module.__dict__[name]
+    for name, value in before.items():
+        if module.__dict__.get(name) is not value:
+            module.__dict__[name] = value
 
 
 def _to_meta(value: Any) -> Any:
@@ -196,22 +316,31 @@ def _first_float(output: Any) -> torch.Tensor | None:
 _SILENCED = ("log", "log_dict")
 
 
-def meta_step(module: nn.Module, batch: Any, method: str = "forward") -> None:
+def meta_step(
+    module: nn.Module, batch: Any, method: str = "forward", *, before_backward: Callable[[], None] | None = None
+) -> None:
     """One forward (``method="forward"``: the batch itself, a tuple's first element, or a mapping's
     items as keyword arguments) or ``training_step(batch, 0)``, then a backward, with every parameter,
     buffer and input on the meta device: ``torch.func.functional_call`` swaps them in, so the module's
-    own tensors are not touched. For ``training_step``, ``log`` and ``log_dict`` do nothing meanwhile."""
+    own tensors are not touched. For ``training_step``, ``log`` and ``log_dict`` do nothing meanwhile.
+    The backward runs while the meta tensors are still swapped in (a checkpointed block recomputes its
+    forward then); ``before_backward`` is called between the two."""
     state = {
         name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad and t.is_floating_point())
         for name, t in [*module.named_parameters(), *module.named_buffers()]
     }
     batch = _to_meta(batch)
+
+    def backward(output: Any) -> None:
+        loss = _first_float(output)
+        if loss is None:
+            raise ValueError(f"{type(module).__name__}.{method} returned no floating-point tensor to differentiate.")
+        if before_backward is not None:
+            before_backward()
+        loss.float().sum().backward()
+
     with _hooks_suspended(module):
-        output = _call(module, state, batch, method)
-    loss = _first_float(output)
-    if loss is None:
-        raise ValueError(f"{type(module).__name__}.{method} returned no floating-point tensor to differentiate.")
-    loss.float().sum().backward()
+        _call(module, state, batch, method, backward)
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -231,19 +360,31 @@ def _hooks_suspended(module: nn.Module) -> Iterator[None]:
             setattr(sub, name, hooks)
 
 
-def _call(module: nn.Module, state: dict[str, torch.Tensor], batch: Any, method: str) -> Any:
+def _call(
+    module: nn.Module, state: dict[str, torch.Tensor], batch: Any, method: str, backward: Callable[[Any], None]
+) -> None:
+    """``functional_call`` of a stand-in ``forward`` that runs the step and its ``backward``, both with
+    ``state`` swapped in."""
     if method == "forward":
         if isinstance(batch, Mapping):
             args, kwargs = (), dict(batch)
         else:
             args, kwargs = ((batch[0],) if isinstance(batch, (tuple, list)) else (batch,)), {}
-        return torch.func.functional_call(module, state, args, kwargs)
-    step = getattr(module, method)
-    patched = {"forward": lambda: step(batch, 0), **{name: lambda *a, **k: None for name in _SILENCED}}
+        forward = module.forward
+
+        def step() -> Any:
+            return forward(*args, **kwargs)
+    else:
+        training_step = getattr(module, method)
+
+        def step() -> Any:
+            return training_step(batch, 0)
+
+    patched = {"forward": lambda: backward(step()), **{name: lambda *a, **k: None for name in _SILENCED}}
     saved = {name: module.__dict__[name] for name in patched if name in module.__dict__}
     module.__dict__.update(patched)
     try:
-        return torch.func.functional_call(module, state, ())
+        torch.func.functional_call(module, state, ())
     finally:
         for name in patched:
             module.__dict__.pop(name, None)

@@ -2,7 +2,8 @@
 
 1. pipeline: keep this rank's stage(s), removing the other stages' blocks (names unchanged);
 2. tensor parallel: the plan, checked against the whole model, applied to the modules kept;
-3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block);
+3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block of each
+   pipeline rank's); which blocks are wrapped on all ranks goes into the model facts (``train/hfu``);
 4. ``torch.compile`` of each block (optional);
 5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
    modules that run them. (Plain DDP, when nothing else cuts the model, is the strategy's.)
@@ -12,7 +13,7 @@ Each step sees the module the previous one left, so e.g. FSDP shards the tensor-
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,13 +26,21 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
 from lightning_scale.core.layout import Layout
+from lightning_scale.core.model_facts import ModelFacts
+from lightning_scale.core.partition import stage_ranks
 from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
 from lightning_scale.core.pipeline_runner import PipelineRunner
 from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, pipeline_spec_of
 
-__all__ = ["TENSOR_PARALLEL_PLAN_HOOK", "parallelize", "tensor_parallel_plan"]
+__all__ = [
+    "TENSOR_PARALLEL_PLAN_HOOK",
+    "checkpointed_blocks",
+    "count_recomputation",
+    "parallelize",
+    "tensor_parallel_plan",
+]
 
 
 TENSOR_PARALLEL_PLAN_HOOK = "tensor_parallel_plan"
@@ -67,6 +76,41 @@ def _blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:
     return hook() if callable(hook) else find_registered_spec(module)
 
 
+def count_recomputation(module: LightningModule, options: ParallelOptions, facts: ModelFacts, batch: Any) -> None:
+    """Before the model is cut: count what checkpointing each of its blocks makes the backward
+    recompute (``ModelFacts.measure_recomputation``, on meta tensors with ``batch``'s shapes), for
+    ``train/hfu``. Nothing to do without activation checkpointing or declared blocks."""
+    found = _blocks_spec(module)
+    if options.activation_checkpointing == "none" or found is None:
+        return
+    root_name, spec = found
+    root = module.get_submodule(root_name) if root_name else module
+    facts.measure_recomputation(module, batch, [root.get_submodule(b) for b in spec.blocks])
+
+
+def checkpointed_blocks(rank_blocks: Sequence[Sequence[int]], mode: str, every: int) -> tuple[int, ...]:
+    """The blocks (indices in the model's block order) activation checkpointing wraps when every
+    pipeline rank applies it to the blocks it holds (``rank_blocks``, each rank's in its order; a
+    single list without a pipeline). ``selective`` counts from each rank's first block: a rank with
+    ``n`` blocks wraps ``ceil(n / every)`` of them."""
+    chosen: list[int] = []
+    for blocks in rank_blocks:
+        # apply_activation_checkpointing's own choice, read off stand-ins that it wraps (never run).
+        stand_ins = [nn.Module() for _ in blocks]
+        apply_activation_checkpointing(stand_ins, mode, every)
+        chosen += [b for b, m in zip(blocks, stand_ins) if getattr(m, "_lightning_scale_checkpointed", False)]
+    return tuple(sorted(chosen))
+
+
+def _rank_blocks(runner: PipelineRunner) -> list[list[int]]:
+    """Every pipeline rank's blocks, in the order its ``block_modules()`` lists them."""
+    ranks = stage_ranks(runner.schedule_name, runner.pp_size, runner.num_stages)
+    return [
+        [b for s in range(runner.num_stages) if ranks[s] == rank for b in runner.partition.blocks(s)]
+        for rank in range(runner.pp_size)
+    ]
+
+
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -81,12 +125,15 @@ def parallelize(
     tensor_parallel_plan: Callable[[LightningModule], dict[str, ParallelStyle | str]],
     example_batch: Callable[[], Any],
     mp_policy: MixedPrecisionPolicy | None = None,
+    facts: ModelFacts | None = None,
 ) -> PipelineRunner | None:
     """Apply pipeline, tensor, activation-checkpointing, compile and FSDP2 data parallelism in place.
 
     Returns the pipeline runner when ``layout.pp > 1`` (its schedule is built by the caller).
     ``example_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
     ``mp_policy``: FSDP2's mixed precision for ``fully_shard`` (the precision plugin's).
+    ``facts``: the whole model's; their ``checkpointed_blocks`` are set to the blocks checkpointed on
+    every pipeline rank.
     """
     found = _blocks_spec(module)
     needs_blocks = options.activation_checkpointing != "none" or options.compile
@@ -126,11 +173,20 @@ def parallelize(
         root_name, spec = found
         root = module.get_submodule(root_name) if root_name else module
         blocks = [root.get_submodule(b) for b in spec.blocks]
-    checkpointed = apply_activation_checkpointing(
-        blocks, options.activation_checkpointing, options.activation_checkpointing_every
-    )
+    mode, every = options.activation_checkpointing, options.activation_checkpointing_every
+    checkpointed = apply_activation_checkpointing(blocks, mode, every)
+    if facts is not None:
+        facts.checkpointed_blocks = checkpointed_blocks(
+            _rank_blocks(runner) if runner is not None else [range(len(blocks))], mode, every
+        )
     if checkpointed:
-        rank_zero_info(f"Activation checkpointing ({options.activation_checkpointing}): {checkpointed} blocks")
+        detail = f"{checkpointed} blocks"
+        if facts is not None and layout.pp > 1:
+            detail += f" on this rank, {len(facts.checkpointed_blocks)} on all pipeline ranks"
+        share = facts.recomputed_share() if facts is not None else None
+        if share is not None:
+            detail += f"; recomputing them adds {share:.1%} to the training FLOPs (FlopCounterMode, meta tensors)"
+        rank_zero_info(f"Activation checkpointing ({mode}): {detail}")
     if options.compile:
         compile_blocks(blocks)
 

@@ -33,7 +33,12 @@ from lightning_scale.strategies._checkpoint_hooks import ShardedCheckpoints, ela
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._deferred import DeferredModules
 from lightning_scale.strategies._options import ParallelOptions
-from lightning_scale.strategies._parallelize import TENSOR_PARALLEL_PLAN_HOOK, parallelize, tensor_parallel_plan
+from lightning_scale.strategies._parallelize import (
+    TENSOR_PARALLEL_PLAN_HOOK,
+    count_recomputation,
+    parallelize,
+    tensor_parallel_plan,
+)
 from lightning_scale.strategies._pipeline import check_pipeline_module, example_batch, pipeline_batch, pipeline_spec_of
 from lightning_scale.strategies._precision import MeshPrecision
 from lightning_scale.strategies._state import ParallelState
@@ -328,6 +333,7 @@ class HybridParallelStrategy(
                 tensor_parallel_plan=lambda m: tensor_parallel_plan(m, layout.tp, o),
                 example_batch=self._example_batch,
                 mp_policy=policy,
+                facts=self._model_facts,
             )
             untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or o.data_parallel_mode == "ddp")
             if not (untouched and o.activation_checkpointing == "none" and not o.compile):
@@ -362,14 +368,19 @@ class HybridParallelStrategy(
 
     def _count(self, module: LightningModule, trainer: Trainer) -> ModelFacts:
         """The whole model's facts, before it is cut; FLOPs counted on meta tensors with one training
-        batch's shapes (``ModelFacts.measure``) when neither a hook nor a known config gives them and
-        a callback wants them (``needs_model_flops``: ``Throughput``)."""
+        batch's shapes (``ModelFacts.measure``) when neither a hook nor a known config gives them, and
+        what activation checkpointing recomputes (``ModelFacts.measure_recomputation``), when a callback
+        wants them (``needs_model_flops``: ``Throughput``)."""
         facts = ModelFacts.of(module)
         wanted = any(getattr(callback, "needs_model_flops", False) for callback in trainer.callbacks)
-        if facts.source == "none" and wanted and trainer.state.fn == TrainerFn.FITTING:
+        recomputes = self.options.activation_checkpointing != "none"
+        if (facts.source == "none" or recomputes) and wanted and trainer.state.fn == TrainerFn.FITTING:
             batch = example_batch(trainer)
             if batch is not None:
-                facts.measure(module, module._on_before_batch_transfer(batch, dataloader_idx=0))
+                batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+                if facts.source == "none":
+                    facts.measure(module, batch)
+                count_recomputation(module, self.options, facts, batch)
         return facts
 
     def _example_batch(self) -> tuple[Any, Any] | None:
