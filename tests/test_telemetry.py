@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
 import sys
@@ -75,7 +76,7 @@ class Logged(Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        keys = [k for k in trainer.callback_metrics if k.split("/")[0] in ("train", "cost", "energy", "checkpoint", "pipeline")]
+        keys = [k for k in trainer.callback_metrics if k.split("/")[0] in ("train", "cost", "energy", "checkpoint", "pipeline", "memory")]
         self.steps.append({k: float(trainer.callback_metrics[k]) for k in keys})
 
 
@@ -202,9 +203,23 @@ def _stack_facts(world: int) -> tuple[str, float | None]:
     return record.facts.source, record.facts.flops_per_token(SEQ)
 
 
+class _EnergyOnRankOne:
+    """NVML's energy counter as if only rank 1's device could be read (mixed nodes, or a permission)."""
+
+    def __init__(self, device: Any) -> None:
+        self.available = int(os.environ["RANK"]) == 1
+
+    def take(self) -> float | None:
+        return 5.0 if self.available else None
+
+
 def _cost_on_two(world: int) -> dict[str, float]:
-    """CostMonitor on 2 processes with a clock that advances 900 s at every reading."""
+    """CostMonitor on 2 processes with a clock that advances 900 s at every reading; only rank 1 reads
+    an energy counter (every rank must still enter the energy all-reduce alike, or the ranks hang)."""
+    import lightning_scale.callbacks.cost as cost_module
+
     real, telemetry.clock = telemetry.clock, FakeClock(900.0)  # this worker, this case only
+    energy, cost_module._Energy = cost_module._Energy, _EnergyOnRankOne  # type: ignore[misc]
     try:
         seed_everything(0, verbose=False)
         trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
@@ -212,7 +227,8 @@ def _cost_on_two(world: int) -> dict[str, float]:
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     finally:
         telemetry.clock = real
-    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("cost/")}
+        cost_module._Energy = energy  # type: ignore[misc]
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("cost/", "energy/"))}
 
 
 HFU_CASES: dict[str, tuple[dict[str, int], int, str]] = {
@@ -471,6 +487,9 @@ def test_cost_counts_every_device(two: list[dict[str, Any]]) -> None:
         # Readings at fit start, at the logging steps 2 and 4 and at the end: 2700 s on 2 devices at $3/h.
         assert rank["cost"]["cost/usd"] == pytest.approx(2700 / 3600 * 2 * 3.0)
         assert rank["cost"]["cost/usd_per_1m_tokens"] == pytest.approx(rank["cost"]["cost/usd"] / (4 * BATCH * SEQ) * 1e6)
+        # Only rank 1 could read its energy: both ranks entered the energy all-reduce (or the fit would
+        # have hung), and a partial sum is not reported as the job's energy.
+        assert "energy/kwh" not in rank["cost"]
 
 
 def test_every_price_row_has_a_source_and_a_month() -> None:
@@ -773,3 +792,37 @@ def test_padding_left_out_of_the_token_count_leaves_the_flops_alone(monkeypatch:
     assert whole.steps[-1]["train/achieved_tflops_per_device"] == pytest.approx(
         FLOPS_PER_TOKEN * BATCH * SEQ / 0.25 / 1e12
     )
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def test_memory_on_cpu_is_the_processs_resident_set() -> None:
+    import resource
+
+    from lightning_scale.callbacks import MemoryMonitor
+
+    last = _fit([MemoryMonitor()], steps=2, log_every_n_steps=1).steps[-1]
+    peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    with open("/proc/self/status") as f:
+        rss_now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024 / 2**30
+    assert 0 < last["memory/rss_gib"] <= last["memory/peak_rss_gib"] <= peak_now
+    assert last["memory/rss_gib"] == pytest.approx(rss_now, rel=0.2)
+
+
+def test_memory_on_a_gpu_is_the_intervals_peaks_and_the_allocators_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: CUDA's allocator statistics as the driver would give them (hardware that does not exist).
+    from lightning_scale.callbacks import MemoryMonitor
+
+    peaks = {"allocated": 3 * 2**30, "reserved": 5 * 2**30}
+    resets: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peaks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peaks["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 2, "num_ooms": 1})
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monitor = MemoryMonitor()
+    monitor._device = torch.device("cuda", 0)
+    assert monitor.read() == {
+        "memory/peak_allocated_gib": 3.0, "memory/peak_reserved_gib": 5.0, "memory/alloc_retries": 2.0, "memory/ooms": 1.0,
+    }  # fmt: skip
+    assert resets == [torch.device("cuda", 0)]  # the next interval starts from zero

@@ -5,6 +5,7 @@ from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.callbacks.cost import CostMonitor
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
 from lightning_scale.callbacks.health import NumericalHealth
+from lightning_scale.callbacks.memory import MemoryMonitor
 from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_scale.callbacks.step_time import StepTimeBreakdown
 from lightning_scale.callbacks.stragglers import StragglerMonitor
@@ -15,6 +16,7 @@ __all__ = [
     "ConsoleLogger",
     "CostMonitor",
     "GradNormMonitor",
+    "MemoryMonitor",
     "NumericalHealth",
     "Preempted",
     "PreemptionCheckpoint",

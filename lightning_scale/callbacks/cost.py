@@ -111,6 +111,10 @@ class CostMonitor(Callback):
             rank_zero_info(
                 f"CostMonitor: energy is not reported (no NVML energy counter for {trainer.strategy.root_device.type})."
             )
+        # Every rank enters the energy all-reduce or none does (once per fit: a rank without NVML, or
+        # with a device it cannot read, would otherwise leave the others waiting in it).
+        readable = telemetry.reduce_sum(trainer, [float(self._energy.available)])[0]
+        self._energy_collective = readable > 0
         self._tokens = 0.0
         self._world = (trainer.world_size, telemetry.replicas(trainer))
         self._last_time, self._last_step = telemetry.clock(), trainer.global_step
@@ -181,7 +185,7 @@ class CostMonitor(Callback):
         samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
         self._tokens += samples * seq_len
         if telemetry.should_log(trainer):
-            self._advance(trainer, collective=self._energy.available)
+            self._advance(trainer, collective=self._energy_collective)
             self._check_target(trainer)
             self._publish(trainer)
 
@@ -192,7 +196,7 @@ class CostMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._advance(trainer, collective=self._energy.available)
+        self._advance(trainer, collective=self._energy_collective)
         self._publish(trainer)
         self._last_time = self._world = None
 

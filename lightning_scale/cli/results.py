@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
-                   "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
+                   "train/achieved_tflops_per_device", "train/peak_flops_measured", "memory/peak_allocated_gib",
+                   "memory/peak_reserved_gib", "memory/peak_rss_gib", "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
 """The telemetry callbacks' metrics whose last values go into ``summary.json``."""
 
 
