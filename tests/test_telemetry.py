@@ -826,3 +826,59 @@ def test_memory_on_a_gpu_is_the_intervals_peaks_and_the_allocators_retries(monke
         "memory/peak_allocated_gib": 3.0, "memory/peak_reserved_gib": 5.0, "memory/alloc_retries": 2.0, "memory/ooms": 1.0,
     }  # fmt: skip
     assert resets == [torch.device("cuda", 0)]  # the next interval starts from zero
+
+
+# ---------------------------------------------------------------------------- GPU timing (no GPU here)
+
+
+class _GPUClock:
+    """CUDA events on a fake GPU whose clock advances ``tick`` seconds at every recorded event (the
+    host's clock, patched separately, disagrees); ``waits`` counts the reads that synchronise."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick, self.now, self.waits = tick, 0.0, 0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at: float | None = None
+
+            def record(self, stream: Any = None) -> None:
+                clock.now += clock.tick
+                self.at = clock.now
+
+            def synchronize(self) -> None:
+                clock.waits += 1
+
+            def elapsed_time(self, end: Any) -> float:
+                return (end.at - self.at) * 1e3  # milliseconds, as CUDA gives them
+
+        self.Event = Event
+
+
+class _WaitsPerStep(Callback):
+    def __init__(self, gpu: _GPUClock) -> None:
+        self.gpu, self.waits = gpu, []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.waits.append(self.gpu.waits)
+
+
+def test_on_a_gpu_the_spans_are_cuda_event_times_read_only_at_logging_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = _GPUClock(tick=0.1)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(telemetry, "clock", FakeClock(5.0))  # the host's clock: must not be what is reported
+
+    class OnGPU(StepTimeBreakdown):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            super().on_fit_start(trainer, pl_module)
+            self._cuda = True  # a CPU trainer, timed as on a GPU
+
+    waits = _WaitsPerStep(gpu)
+    last = _fit([OnGPU(), waits], steps=4, log_every_n_steps=2).steps[-1]
+    # Every span is one event apart on the GPU's clock: 0.1 s each, whatever the host's clock said.
+    for part in ("data", "compute", "optimizer"):
+        assert last[f"train/step_time/{part}"] == pytest.approx(0.1), part
+    assert last["train/step_time/total"] == pytest.approx(0.3)
+    # Events are read (waited for) at the logging steps 2 and 4 only, never on the steps between.
+    assert waits.waits[0] == 0 and waits.waits[1] > 0 and waits.waits[2] == waits.waits[1]

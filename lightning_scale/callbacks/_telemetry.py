@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_scale.core.model_facts import ModelFacts, batch_shape
 
-__all__ = ["TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective",
+__all__ = ["Duration", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp",
            "publish", "reduce_sum", "replicas", "should_log"]
 
 clock: Callable[[], float] = time.perf_counter
@@ -93,18 +93,53 @@ class TimedCallback(Callback):
         self._run_cleanups()
 
 
+class Duration:
+    """A span's length, read when it is needed: two host-clock readings, or two CUDA events recorded on
+    the current stream (their GPU time apart, read once the later one completed: no synchronisation
+    when they are taken, one when a logging step reads them)."""
+
+    __slots__ = ("end", "start")
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end = start, end
+
+    def seconds(self) -> float:
+        if isinstance(self.start, float):
+            return self.end - self.start
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def stamp(cuda: bool) -> Any:
+    """Now: a CUDA event recorded on the current stream (``cuda``), else :data:`clock`'s reading."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return clock()
+
+
+def _on_cuda(args: tuple[Any, ...]) -> bool:
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    return isinstance(first, torch.Tensor) and first.is_cuda
+
+
 _saving = 0  # saves in progress: their collectives are checkpoint time, not communication
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_to_all_single", "gather", "scatter", "barrier", "all_gather_object", "broadcast_object_list")
-_collective_listeners: list[Callable[[float], None]] = []
+_collective_listeners: list[Callable[[Duration], None]] = []
 _originals: dict[str, Any] = {}
 _depth = 0
 
 
-def on_collective(listener: Callable[[float], None]) -> Callable[[], None]:
-    """Call ``listener(seconds)`` after each synchronous ``torch.distributed`` collective called from
+def on_collective(listener: Callable[[Duration], None]) -> Callable[[], None]:
+    """Call ``listener(duration)`` after each synchronous ``torch.distributed`` collective called from
     Python (``dist.all_reduce(...)`` and the others in :data:`COLLECTIVES`, outside checkpoint saves;
-    one inside another counts once); returns the remover. Calls with ``async_op=True`` return before
+    one inside another counts once); returns the remover. On CUDA tensors the duration is between two
+    CUDA events around the call (an NCCL call returns to the host before the transfer ends; the
+    events time it on the GPU), else host time. Calls with ``async_op=True`` return before
     the transfer and are not timed, nor are collectives issued from C++ (DDP's bucketed all-reduces)
     or through functional collectives (DTensor): those overlap with compute and stay in it. The
     functions are wrapped while any listener is registered."""
@@ -120,13 +155,14 @@ def on_collective(listener: Callable[[float], None]) -> Callable[[], None]:
                 if kwargs.get("async_op") or _depth:
                     return _original(*args, **kwargs)
                 _depth += 1
-                begin = clock()
+                cuda = _on_cuda(args)
+                begin = stamp(cuda)
                 try:
                     return _original(*args, **kwargs)
                 finally:
                     _depth -= 1
                     if not _saving:
-                        spent = clock() - begin
+                        spent = Duration(begin, stamp(cuda))
                         for listener_ in list(_collective_listeners):
                             listener_(spent)
 

@@ -40,59 +40,91 @@ class StepTimeBreakdown(telemetry.TimedCallback):
       (``core.partition.bubble_fraction``).
 
     Validation inside ``fit`` is excluded. One all-reduce at each logging step.
+
+    On a GPU every span edge is a CUDA event recorded on the current stream, and the spans are read at
+    logging steps: each span is the GPU's time between its edges (kernels launched ahead of the host
+    land in the span they run in, not in whichever later span happens to synchronise), and nothing
+    synchronises between logging steps. Collectives called from Python on CUDA tensors are timed by
+    events too (an NCCL call returns before its transfer ends). The pipeline's stage timings
+    (``pipeline/*``) are host times.
     """
 
     def __init__(self) -> None:
         super().__init__()
+        self._cuda = False
         self._reset()
 
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_PARTS, 0.0)
         self._steps = 0
-        self._pending = 0.0  # checkpoint and communication time since the last mark, out of the span it fell in
-        self._mark: float | None = None
-        self._optimizer_at: float | None = None
+        self._spans: list[tuple[str, telemetry.Duration, list[telemetry.Duration]]] = []
+        self._comm: list[telemetry.Duration] = []
+        self._pending: list[telemetry.Duration] = []  # checkpoint and communication inside the open span
+        self._mark: Any = None
+        self._optimizer_at: Any = None
 
     # ------------------------------------------------------------------ set-up
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock = telemetry.TrainClock()
+        self._cuda = trainer.strategy.root_device.type == "cuda"
         self._reset()
         self._pipeline = getattr(trainer.strategy, "pipeline", None)
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, self._saved))
         self._cleanups.append(telemetry.on_collective(self._communicated))
         self._timer = TimerReader(self._pipeline.timer) if self._pipeline is not None else None
 
+    def _now(self) -> Any:
+        """A span edge: a CUDA event on a GPU (the GPU's time, no synchronisation), else the train clock."""
+        return telemetry.stamp(True) if self._cuda else self._clock.now()
+
     def _saved(self, seconds: float) -> None:
         self._sums["checkpoint"] += seconds
-        self._pending += seconds
+        self._pending.append(telemetry.Duration(0.0, seconds))
 
-    def _communicated(self, seconds: float) -> None:
+    def _communicated(self, duration: telemetry.Duration) -> None:
         if self._mark is not None:  # within training steps only
-            self._sums["comm"] += seconds
-            self._pending += seconds
+            self._comm.append(duration)
+            self._pending.append(duration)
 
     # ------------------------------------------------------------------ spans
 
-    def _close(self, part: str, now: float) -> None:
+    def _close(self, part: str, now: Any) -> None:
         assert self._mark is not None
-        self._sums[part] += max(0.0, now - self._mark - self._pending)
-        self._pending = 0.0
+        self._spans.append((part, telemetry.Duration(self._mark, now), self._pending))
+        self._pending = []
         self._mark = now
+        if not self._cuda:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Add the closed spans to the sums (on a GPU at logging steps only: reading an event waits for it)."""
+        for part, span, inside in self._spans:
+            self._sums[part] += max(0.0, span.seconds() - sum(d.seconds() for d in inside))
+        self._sums["comm"] += sum(d.seconds() for d in self._comm)
+        self._spans, self._comm = [], []
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if self._cuda and self._mark is not None:
+            # Events do not pause: the data span ends here and the next starts with the next batch.
+            self._close("data", self._now())
+            self._mark = None
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        now = self._clock.now()
+        now = self._now()
         if self._mark is None:
-            self._mark, self._pending = now, 0.0
+            self._mark, self._pending = now, []
         else:
             self._close("data", now)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._mark is not None:
-            self._close("compute", self._clock.now())
+            self._close("compute", self._now())
             self._optimizer_at = self._mark
 
     @override
@@ -101,7 +133,7 @@ class StepTimeBreakdown(telemetry.TimedCallback):
     ) -> None:
         if self._mark is None:
             return
-        self._close("optimizer" if self._optimizer_at is not None else "compute", self._clock.now())
+        self._close("optimizer" if self._optimizer_at is not None else "compute", self._now())
         self._optimizer_at = None
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return
@@ -111,6 +143,7 @@ class StepTimeBreakdown(telemetry.TimedCallback):
 
     def compute(self, trainer: Trainer) -> dict[str, float]:
         """Per-step means over the processes since the last call (one all-reduce when distributed)."""
+        self._settle()
         values = [self._sums[p] for p in _PARTS] + [float(self._steps)]
         runner = self._pipeline
         pp = runner.pp_size if runner is not None else 0
