@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +100,17 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
+
+
+@pytest.mark.slow
+def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: benchmarks/gpu_check.py measures it (see the note of the session)")
+    assert _bench("gpu_check", "gpu_check.py", out=tmp_path / "none.json") == {"skipped": "no CUDA GPU"}
+    report = _bench(
+        "gpu_check", "gpu_check.py", "--accelerator", "cpu", "--presets", "tiny", "--steps", "4", "--warmup", "2",
+        out=tmp_path / "cpu.json",
+    )["presets"]["tiny"]  # fmt: skip
+    assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1
+    assert report["step_time"]["total"] > 0
+    assert 0 < report["async_save_blocking_s"] <= report["async_save_committed_s"]
