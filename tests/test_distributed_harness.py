@@ -17,6 +17,9 @@ def _all_reduce_rank(rank: int, world_size: int, scale: int) -> float:
 
 
 def _raise_on_rank_one(rank: int, world_size: int) -> None:
+    # Both ranks joined first: on a loaded machine rank 1 could otherwise raise and close its side
+    # while rank 0 was still connecting, and rank 0 would fail in init instead of hanging.
+    dist.barrier()
     if rank == 1:
         raise RuntimeError("boom on rank one")
     time.sleep(600)  # rank 0 is stuck somewhere that never notices rank 1 is gone
