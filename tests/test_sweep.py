@@ -146,8 +146,11 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
     assert report_cli.main([str(study), "--rank-by", "tokens_per_sec"]) == 0  # the console script's main, in-process
     md = (study / "report" / "report.md").read_text()
     assert "4 completed, 2 skipped, 0 failed" in md and "does not divide the 2 processes" in md
-    for name in ("throughput_vs_devices", "scaling_efficiency", "mfu_by_layout", "memory_per_device", "loss_curves"):
+    for name in ("throughput_by_layout", "mfu_by_layout", "memory_per_device", "loss_curves"):
         _check_png(study / "report" / "plots" / f"{name}.png")
+    # One device count (2 processes): no scaling plots, and a bar per layout, labelled by what varies.
+    assert not (study / "report" / "plots" / "throughput_vs_devices.png").exists()
+    assert "One device count" in md
 
 
 # --- resumable sweeps, and the same sweep through submitit's local executor ------------------------
@@ -382,6 +385,7 @@ def test_the_report_plots_rank_and_ship_everything_it_references(tmp_path: Path)
     report = build_report(study, rank_by="usd_per_1m_tokens")
     plots = report.directory / "plots"
     _check_png(plots / "throughput_vs_devices.png", {"measured", "ideal"})
+    assert _check_png(plots / "throughput_by_layout.png") == [{"name": "tokens_per_sec", "color": PALETTE[0]}]
     _check_png(plots / "scaling_efficiency.png", {"efficiency", "ideal"})
     for name, key in (("mfu_by_layout", "mfu"), ("usd_per_1m_tokens_by_layout", "usd_per_1m_tokens"), ("memory_per_device", "peak_memory_bytes")):
         assert _check_png(plots / f"{name}.png") == [{"name": key, "color": PALETTE[0]}]
@@ -398,7 +402,7 @@ def test_the_report_plots_rank_and_ship_everything_it_references(tmp_path: Path)
     for target in re.findall(r"\]\(([^)]+)\)", md):
         assert (report.directory / target).is_file(), target
     references = re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]+)""", page)
-    assert len(references) == len(report.plots) == 6 and all(r.startswith("data:image/png;base64,") for r in references)
+    assert len(references) == len(report.plots) == 7 and all(r.startswith("data:image/png;base64,") for r in references)
 
 
 def test_best_writes_a_strategy_config_that_trains_with_that_layout(tmp_path: Path, data_cache: Path) -> None:

@@ -4,9 +4,14 @@ Reads every job's ``results.json`` and writes ``<sweep dir>/report/``:
 
 - ``report.md`` (plots beside it in ``plots/``) and ``report.html`` (self-contained: the plots
   are embedded, it references no other file);
-- PNG plots: throughput against devices with the ideal (linear) line, scaling efficiency, MFU,
-  USD per 1M tokens and peak memory per device by layout, and the loss curves overlaid;
-- a table of the completed jobs ranked by ``--rank-by`` (skipped and failed jobs listed with why).
+- PNG plots (``report_plots``): throughput, USD per 1M tokens, MFU and peak memory per device as
+  labelled bars, one per configuration, best first, with the min..max of its repeats; throughput
+  against devices with the ideal (linear) line and scaling efficiency when the sweep varies the
+  device count; the loss curves overlaid;
+- a warning at the top when throughput is noisy (repeats that disagree, a busy machine);
+- a table of the completed jobs ranked by ``--rank-by``, with their devices and, when devices vary,
+  scaling efficiency (skipped and failed jobs listed with why). Several sweeps make one report,
+  titled with every study.
 
 ``--best`` writes the winner as a strategy config, ``report/conf/strategy/best.yaml``, to pass
 straight back: ``lightning-scale-train --config-dir <sweep dir>/report/conf strategy=best``.
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, noise, plot_all
 from lightning_scale.cli.sweep import collect_results, wandb_offline
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
@@ -51,9 +57,6 @@ METRICS: dict[str, Metric] = {
     "elapsed_s": Metric("wall time", False, 1.0, "s"),
 }
 """The metrics a report can rank by (``--rank-by``), with the better direction."""
-
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
-"""Series colours, in order; each PNG lists its series and their colours in its ``Series`` text chunk."""
 
 _TABLE_METRICS = ("tokens_per_sec", "mfu", "usd_per_1m_tokens", "peak_memory_bytes", "final_val_loss", "best_val_loss")
 _LAYOUT_KEYS = ("data_parallel", "tensor_parallel", "pipeline_parallel", "trainer.devices", "trainer.num_nodes")
@@ -111,126 +114,22 @@ def _ranked(jobs: Sequence[dict[str, Any]], rank_by: str) -> list[dict[str, Any]
     return with_value + without
 
 
-class _Plotter:
-    def __init__(self, directory: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        self.plt = plt
-        self.directory = directory
-        self.plots: dict[str, Path] = {}
-
-    def save(self, fig: Any, name: str, title: str, series: list[tuple[str, str]]) -> None:
-        path = self.directory / f"{name}.png"
-        meta = {"Title": title, "Series": json.dumps([{"name": n, "color": c} for n, c in series]), "Software": "lightning-scale"}
-        fig.tight_layout()
-        fig.savefig(path, dpi=100, metadata=meta)
-        self.plt.close(fig)
-        self.plots[name] = path
-
-    def bars(self, name: str, title: str, labels: list[str], values: list[float], ylabel: str, series: str) -> None:
-        fig, ax = self.plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 4))
-        color = PALETTE[0]
-        ax.bar(range(len(values)), values, color=color, label=series)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(axis="y", alpha=0.3)
-        self.save(fig, name, title, [(series, color)])
-
-
-def _scaling(jobs: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]] | None:
-    """(device counts, best measured tokens/s at each, ideal tokens/s at each)."""
-    best: dict[int, float] = {}
-    for job in jobs:
-        rate, world = job.get("tokens_per_sec"), job.get("world_size")
-        if rate is not None and world:
-            best[int(world)] = max(best.get(int(world), 0.0), float(rate))
-    if not best:
-        return None
-    devices = sorted(best)
-    base = devices[0]
-    return devices, [best[d] for d in devices], [best[base] * d / base for d in devices]
-
-
-def _plot_all(plotter: _Plotter, jobs: list[dict[str, Any]], labels: dict[int, str]) -> list[str]:
-    """Draw every plot the data allows; returns notes on those it could not draw."""
-    plt, notes = plotter.plt, []
-    scaling = _scaling(jobs)
-    if scaling is None:
-        notes.append("No job logged throughput (train/tokens_per_sec): the throughput callback was off.")
-    else:
-        devices, measured, ideal = scaling
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        points = [(j["world_size"], j["tokens_per_sec"]) for j in jobs if j.get("tokens_per_sec") is not None]
-        ax.plot(devices, ideal, "--s", color=PALETTE[9], linewidth=2, markersize=7, label="ideal")
-        ax.plot(devices, measured, "-o", color=PALETTE[0], linewidth=2.5, label="measured")
-        ax.scatter([p[0] for p in points], [p[1] for p in points], color=PALETTE[0], s=18, zorder=3)
-        ax.set_xlabel("devices")
-        ax.set_ylabel("tokens/s")
-        ax.set_xticks(devices)
-        ax.set_title("Throughput against devices")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        plotter.save(fig, "throughput_vs_devices", "Throughput against devices", [("measured", PALETTE[0]), ("ideal", PALETTE[9])])
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        efficiency = [m / i for m, i in zip(measured, ideal, strict=True)]
-        ax.axhline(1.0, linestyle="--", color=PALETTE[9], linewidth=2, label="ideal")
-        ax.plot(devices, efficiency, "-o", color=PALETTE[2], linewidth=2.5, label="efficiency")
-        ax.set_xlabel("devices")
-        ax.set_ylabel("measured / ideal throughput")
-        ax.set_xticks(devices)
-        ax.set_ylim(0, max(1.1, max(efficiency) * 1.1))
-        ax.set_title("Scaling efficiency")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        plotter.save(fig, "scaling_efficiency", "Scaling efficiency", [("efficiency", PALETTE[2]), ("ideal", PALETTE[9])])
-    for key, name, title in (
-        ("mfu", "mfu_by_layout", "MFU by layout"),
-        ("usd_per_1m_tokens", "usd_per_1m_tokens_by_layout", "USD per 1M tokens by layout"),
-        ("peak_memory_bytes", "memory_per_device", "Peak memory per device"),
-    ):
-        have = [j for j in jobs if j.get(key) is not None]
-        if not have:
-            notes.append(f"No job recorded {key}: {title} is not drawn.")
-            continue
-        m = METRICS[key]
-        values = [float(j[key]) * (100 if key == "mfu" else m.scale) for j in have]
-        unit = "%" if key == "mfu" else m.unit
-        plotter.bars(name, title, [labels[id(j)] for j in have], values, f"{m.label}" + (f" ({unit})" if unit else ""), key)
-    curves = [(j, (j.get("curves") or {}).get("train/loss") or [], (j.get("curves") or {}).get("val/loss") or []) for j in jobs]
-    curves = [c for c in curves if c[1] or c[2]]
-    if not curves:
-        notes.append("No loss curves were recorded.")
-        return notes
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    series = []
-    for i, (job, train, val) in enumerate(curves):
-        color = PALETTE[i % len(PALETTE)]
-        label = labels[id(job)]
-        if train:
-            ax.plot([s for s, _ in train], [v for _, v in train], "-", color=color, linewidth=2, label=f"{label} train")
-        if val:
-            ax.plot([s for s, _ in val], [v for _, v in val], "--o", color=color, linewidth=2, markersize=3, label=f"{label} val")
-        series.append((label, color))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("Loss curves")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    plotter.save(fig, "loss_curves", "Loss curves", series)
-    return notes
-
-
-def _table(rows: list[dict[str, Any]], labels: dict[int, str], rank_by: str) -> tuple[list[str], list[list[str]]]:
+def _table(
+    rows: list[dict[str, Any]], labels: dict[int, str], rank_by: str, base: float | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The ranking as a table; with ``base`` (tokens/s per device at the smallest device count, when
+    the sweep varies devices) a scaling-efficiency column: each job's tokens/s per device over it."""
     metrics = [rank_by] + [m for m in _TABLE_METRICS if m != rank_by]
-    header = ["rank", "job", "precision", "global batch", *[METRICS[m].label for m in metrics]]
+    header = ["rank", "job", "devices", "precision", "global batch", *[METRICS[m].label for m in metrics]]
+    header += ["scaling efficiency"] if base else []
     body = []
     for i, job in enumerate(rows, 1):
-        body.append([str(i), labels[id(job)], str(job.get("precision", "")), str(job.get("global_batch_size", "")),
-                     *[_fmt(job.get(m), m) for m in metrics]])  # fmt: skip
+        row = [str(i), labels[id(job)], str(job.get("world_size", "")), str(job.get("precision", "")),
+               str(job.get("global_batch_size", "")), *[_fmt(job.get(m), m) for m in metrics]]  # fmt: skip
+        if base:
+            rate, world = job.get("tokens_per_sec"), job.get("world_size")
+            row.append(f"{float(rate) / int(world) / base:.0%}" if rate is not None and world else "–")
+        body.append(row)
     return header, body
 
 
@@ -301,7 +200,7 @@ def build_report(
     sweeps = [Path(sweep_dir)] if isinstance(sweep_dir, (str, Path)) else [Path(d) for d in sweep_dir]
     if not sweeps:
         raise ValueError("No sweep directory given: pass multirun/<study>.")
-    jobs = []
+    jobs, studies = [], []
     for sweep in sweeps:
         if not sweep.is_dir():
             raise ValueError(f"{sweep} is not a directory: pass a sweep directory, e.g. multirun/<study>.")
@@ -311,6 +210,7 @@ def build_report(
                 f"No results.json under {sweep}: this is not a sweep directory whose jobs ran (jobs write "
                 "<sweep dir>/<job>/results.json). Pass multirun/<study> of a sweep that started."
             )
+        studies.append(next((str(j["study"]) for j in found if j.get("study")), sweep.name))
         jobs += [{**j, "job": j.get("job") if len(sweeps) == 1 else f"{j.get('study') or sweep.name}/{j.get('job')}"} for j in found]
     sweep = sweeps[0]
     ranking = _ranked(jobs, rank_by)
@@ -322,21 +222,26 @@ def build_report(
     varying = _varying(jobs)
     labels = {id(j): _label(j, varying) for j in jobs}
     done = [j for j in jobs if j.get("status") == "completed"]
-    plotter = _Plotter(directory / "plots")
-    notes = _plot_all(plotter, done, labels) if done else ["No job completed: nothing to plot."]
-    header, body = _table(ranking, labels, rank_by)
+    plotter = Plotter(directory / "plots")
+    notes = plot_all(plotter, done, labels, METRICS) if done else ["No job completed: nothing to plot."]
+    groups = group_jobs(done)
+    warnings, noise_notes = noise(groups, labels)
+    notes += noise_notes
+    header, body = _table(ranking, labels, rank_by, efficiency_base(groups))
     others = [j for j in jobs if j.get("status") != "completed"]
     metric = METRICS[rank_by]
     order = "highest" if metric.higher_is_better else "lowest"
-    study = next((j.get("study") for j in jobs if j.get("study")), sweep.name)
+    study = ", ".join(dict.fromkeys(studies))  # a combined report names every study
 
     counts = {s: sum(j.get("status") == s for j in jobs) for s in ("completed", "skipped", "failed")}
-    where = ", ".join(f"`{d}`" for d in sweeps)
+    summary = f"{len(jobs)} jobs in {{}}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "."
     md = [
         f"# Sweep report: {study}",
         "",
-        f"{len(jobs)} jobs in {where}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".",
+        summary.format(", ".join(f"`{d}`" for d in sweeps)),
         "",
+        *[f"> **Warning:** {w}" + ("  " if i < len(warnings) - 1 else "") for i, w in enumerate(warnings)],
+        *([""] if warnings else []),
         f"## Ranking by {metric.label} ({order} first)",
         "",
         _markdown_table(header, body) if body else "(no completed job)",
@@ -357,14 +262,22 @@ def build_report(
         f"<figure><img alt='{name}' src='data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}'/></figure>"
         for name, p in plotter.plots.items()
     )
+    warning = "".join(f"<p>{html.escape(w)}</p>" for w in warnings)
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td{white-space:nowrap}"
+        ".warning{background:#fff3cd;border:2px solid #c69500;padding:4px 12px;margin:1em 0;max-width:60em}"
+        ".plots{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}"
+        "figure{margin:0;flex:0 1 48%}img{max-width:100%;height:auto}"
+    )
     not_done = "".join(f"<li>{html.escape(labels[id(j)])}: <b>{j.get('status')}</b>: {html.escape(str(j.get('reason', '')))}</li>" for j in others)
     page = (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep report: "
-        f"{html.escape(str(study))}</title><style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}img{max-width:48%;margin:4px}</style></head><body>"
-        f"<h1>Sweep report: {html.escape(str(study))}</h1><h2>Ranking by {html.escape(metric.label)} ({order} first)</h2>"
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep report: {html.escape(study)}</title>"
+        f"<style>{style}</style></head><body><h1>Sweep report: {html.escape(study)}</h1>"
+        f"<p>{html.escape(summary.format(', '.join(map(str, sweeps))))}</p>" + (f"<div class='warning'><b>Warning</b>{warning}</div>" if warnings else "")
+        + f"<h2>Ranking by {html.escape(metric.label)} ({order} first)</h2>"
         f"{_html_table(header, body)}" + (f"<h2>Not completed</h2><ul>{not_done}</ul>" if others else "")
-        + f"<h2>Plots</h2>{images}" + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
+        + f"<h2>Plots</h2><div class='plots'>{images}</div>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
         + (f"<h2>Best layout</h2><pre>{html.escape(best_command)}</pre>" if best_command else "") + "</body></html>"
     )
     page_path = directory / "report.html"
