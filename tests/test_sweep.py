@@ -215,6 +215,31 @@ def test_rerunning_a_killed_sweep_skips_finished_jobs_and_resumes_the_other_in_t
 
 
 @pytest.mark.slow
+def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> None:
+    study = resumed["study"]
+    r1 = json.loads((study / "1" / "results.json").read_text())
+    resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())["global_step"]  # a sharded checkpoint
+    assert 0 < resumed_at < 30
+    # The curves go on from the first attempt (log_every_n_steps=5, val_check_interval=5); the validation
+    # before the resumed fit is at the step it resumed from, never at 0.
+    assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 31, 5))
+    val_steps = [s for s, _ in r1["curves"]["val/loss"]]
+    assert val_steps[:2] == [0, 5] and val_steps[-1] == 30 and val_steps == sorted(val_steps) and resumed_at in val_steps
+    summary = json.loads((study / "1" / "summary.json").read_text())
+    assert summary["initial_val_loss"] == r1["curves"]["val/loss"][0][1] > 5.0  # the first attempt's (about ln 256)
+    state = json.loads((Path(r1["resumed_from"]) / "trainer_state.json").read_text())  # a sharded checkpoint
+    earlier = next(v for k, v in state["callbacks"].items() if "ValidationRecord" in k)["elapsed_s"]
+    assert r1["elapsed_s"] > earlier > 0  # the earlier attempt's time counted
+    # The loggers got the validation before the resumed fit at the resumed step, not at 0.
+    rows = (study / "1" / "csv" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    val_rows = [dict(zip(header, r.split(","), strict=False)) for r in rows[1:]]
+    val_rows = [r for r in val_rows if r.get("val/loss")]
+    assert 0 not in [int(r["step"]) for r in val_rows] and int(val_rows[0]["step"]) == resumed_at, val_rows
+    assert r1["attempt"] == 1
+
+
+@pytest.mark.slow
 def test_the_same_sweep_through_submitit_local_gives_the_same_jobs_and_results(
     resumed: dict[str, Any], tmp_path: Path, data_cache: Path
 ) -> None:
@@ -442,3 +467,262 @@ def test_report_logs_its_table_and_plots_to_a_wandb_run_of_the_study(tmp_path: P
     build_report(study, use_wandb=True)
     (run,) = offline_runs(study / "report")
     assert run["group"] == study.name and run["job_type"] == "report"
+
+
+# --- issue 24: sweeps that never lose a result -------------------------------------------------------
+
+# One device per job, 4 steps, no validation inside the fit (so the run validates after it), throughput
+# logged at steps 2 and 4; every logger; tp=4 does not fit one process: skipped.
+LOGGERS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
+           "trainer.val_check_interval=100", "trainer.limit_val_batches=1", "callbacks.checkpoint=null", "validate_before_fit=false",
+           "study=loggers"]
+
+
+def _tree(study: Path) -> dict[str, bytes]:
+    """Every file of a study but Hydra's own records (which Hydra rewrites on every run)."""
+    return {str(p.relative_to(study)): p.read_bytes() for p in sorted(study.rglob("*"))
+            if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loggers_study(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, Any]:
+    """The sweep run once, then dry-run and re-run with its sweep values (and arguments) in another order."""
+    cwd = tmp_path_factory.mktemp("loggers")
+    timings = {}
+    start = time.monotonic()
+    first = _sweep(cwd, data_cache, *LOGGERS, "logger=csv,wandb,none", "strategy.tensor_parallel=1,4", timeout=300)
+    timings["first"] = time.monotonic() - start
+    study = cwd / "multirun" / "loggers"
+    before = _tree(study) if study.is_dir() else {}
+    first_results = _results(study) if study.is_dir() else {}
+    start = time.monotonic()
+    dry = _sweep(cwd, data_cache, "strategy.tensor_parallel=4,1", "logger=none,wandb,csv", *LOGGERS, "sweep.dry_run=true", timeout=120)
+    after_dry = _tree(study) if study.is_dir() else {}
+    timings["dry"] = time.monotonic() - start
+    start = time.monotonic()
+    again = _sweep(cwd, data_cache, "strategy.tensor_parallel=4,1", "logger=none,wandb,csv", *LOGGERS, timeout=120)
+    timings["again"] = time.monotonic() - start
+    return {"cwd": cwd, "study": study, "first": first, "dry": dry, "again": again, "before": before, "first_results": first_results,
+            "after_dry": after_dry, "timings": timings}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_logger_records_throughput_mfu_and_why_when_missing(loggers_study: dict[str, Any]) -> None:
+    # The run validates after the fit (no validation inside it): that validation used to empty
+    # trainer.callback_metrics, so results.json had no tokens/s or MFU although the console printed them.
+    first = loggers_study["first"]
+    assert first.returncode == 0, _out(first)
+    done = {next(o for o in r["overrides"] if o.startswith("logger=")): r
+            for r in loggers_study["first_results"].values() if r["status"] == "completed"}  # fmt: skip
+    assert set(done) == {"logger=csv", "logger=wandb", "logger=none"}, done.keys()
+    for r in done.values():
+        assert r["tokens_per_sec"] > 0 and r["mfu"] > 0 and r["throughput"] == "logged", r
+        assert r["metrics"]["train/tokens_per_sec"] == r["tokens_per_sec"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_reordered_rerun_finds_every_job_by_its_config_and_rewrites_nothing(loggers_study: dict[str, Any]) -> None:
+    study, again = loggers_study["study"], loggers_study["again"]
+    assert again.returncode == 0, _out(again)
+    assert again.stdout.count("finished earlier, skipped") == 3, _out(again)
+    after = _tree(study)
+    for name, content in loggers_study["before"].items():
+        if name.endswith("results.json"):
+            assert after[name] == content, name  # byte-identical: no finished job rewritten
+    assert _job_dirs(study) == [str(i) for i in range(6)]  # no new directory
+    for name, r in _results(study).items():  # each directory still holds its own config's job
+        job = json.loads((study / name / "job.json").read_text()) if (study / name / "job.json").exists() else None
+        assert r["job"] == int(name) and (job is None or job["overrides"] == r["overrides"])
+    sweep = json.loads((study / "sweep.json").read_text())
+    assert sweep["counts"] == {"completed": 3, "skipped": 3, "failed": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_dry_run_lists_every_job_with_what_it_would_do_and_launches_nothing(loggers_study: dict[str, Any]) -> None:
+    dry = loggers_study["dry"]
+    assert dry.returncode == 0, _out(dry)
+    assert "dry run of" in dry.stdout and "6 jobs (6 skip); nothing was launched" in dry.stdout, _out(dry)
+    rows = [line for line in dry.stdout.splitlines() if re.match(r"\[sweep\]\s+\d+ skip", line)]
+    assert len(rows) == 6 and sum("finished earlier" in r for r in rows) == 3 and sum("does not divide" in r for r in rows) == 3
+    assert loggers_study["after_dry"] == loggers_study["before"]  # not a byte written
+
+
+def _marked(mark: str) -> list[str]:
+    """The processes whose environment carries ``mark`` (pid and command line)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark.encode() in (proc / "environ").read_bytes():
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name}: {cmdline[:120]}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigkill_of_the_sweep_ends_every_process_of_its_job_and_a_running_job_holds_its_directory(
+    tmp_path: Path, data_cache: Path
+) -> None:
+    from lightning_scale.cli.sweep import hold_job_dir
+
+    mark = f"LS_TEST_SWEEP_MARK={os.getpid()}-{time.monotonic_ns()}"
+    env = {**_env(data_cache), mark.split("=")[0]: mark.split("=")[1]}
+    command = [_executable("lightning-scale-train"), "-m", "strategy=hybrid", "trainer.devices=2", "trainer.max_steps=2000",
+               "trainer.log_every_n_steps=1", "callbacks.console.every_n_steps=1", "callbacks.checkpoint=null", "logger=wandb",
+               "sweep.progress_every_s=1", "study=killed"]  # fmt: skip
+    job_dir = tmp_path / "multirun" / "killed" / "0"
+    with open(tmp_path / "sweep.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 200
+            while time.monotonic() < deadline and proc.poll() is None:
+                if re.search(r"job 0 \(dp2-tp1-pp1\): step \d+/2000, loss [\d.]+", (tmp_path / "sweep.log").read_text()):
+                    break
+                time.sleep(0.2)
+            printed = (tmp_path / "sweep.log").read_text()
+            assert proc.poll() is None, printed[-3000:]
+            # The live status names the job's log; the job's directory is held by the sweep.
+            assert f"job 0 (dp2-tp1-pp1): started; log: {job_dir / 'job.log'}" in printed, printed[-3000:]
+            assert re.search(rf"step \d+/2000, loss [\d.]+.*\({re.escape(str(job_dir / 'job.log'))}\)", printed), printed[-3000:]
+            with pytest.raises(ValueError, match=rf"{re.escape(str(job_dir))} is held by process {proc.pid} .*kill {proc.pid}"):
+                hold_job_dir(job_dir)
+            assert len(_marked(mark)) >= 4, _marked(mark)  # the sweep, the torchrun agent, 2 ranks
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    time.sleep(2.0)
+    assert _marked(mark) == []
+    os.close(hold_job_dir(job_dir))  # the lock died with the sweep
+
+
+def _readme_sweep_commands() -> list[str]:
+    """Every ``lightning-scale-train`` command of the README's sweep section and of the sweep presets'
+    comments (continuation lines joined), without the program name."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Scaling studies: sweeps and reports") :]
+    section = section[: section.index("\n## ", 1)]
+    texts = [section] + [p.read_text() for p in sorted((root / "lightning_scale" / "conf" / "experiment").glob("*.yaml"))]
+    commands = []
+    for text in texts:
+        joined = re.sub(r"\\\n#?\s*", " ", text)
+        for line in joined.splitlines():
+            line = line.lstrip("#` ").strip()
+            if line.startswith("lightning-scale-train ") and "--config-dir" not in line:
+                commands.append(line.split("`")[0].split("  #")[0].strip().removeprefix("lightning-scale-train "))
+    return list(dict.fromkeys(commands))
+
+
+def _expand_multirun(args: list[str], compose: slice = slice(None)) -> tuple[list[list[str]], list[Any]]:
+    """The jobs Hydra's basic sweeper makes of a command line: the real config loader (which refuses a
+    sweep over Hydra's own config), the preset's ``hydra.sweeper.params`` with the command line's sweeps
+    after them; then the configs of the jobs in ``compose``, as a launcher composes them. No job runs."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    args = [a for a in args if a not in ("-m", "--multirun")]
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path("pkg://lightning_scale.conf"))
+    cfg = loader.load_configuration("config", args, run_mode=RunMode.MULTIRUN)
+    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=loader)
+    (batch,) = BasicSweeper.split_arguments(parser.parse_overrides(params + list(cfg.hydra.overrides.task)), None)
+    return batch, [loader.load_sweep_config(cfg, list(job)) for job in batch[compose]]
+
+
+def test_the_readme_sweep_commands_compose_into_their_jobs() -> None:
+    import shlex
+
+    commands = _readme_sweep_commands()
+    assert len(commands) >= 8, commands
+    jobs = {}
+    for command in commands:
+        args = shlex.split(command)
+        if any(a.startswith("hydra/launcher=") for a in args) or not re.search(r"-m |,|experiment=\w*(sweep|scaling)", command):
+            continue  # the SLURM lines need submitit's plugin (their sweep is plain overrides); single runs
+        batch, configs = _expand_multirun(args, slice(0, 1))  # the first job composed: every override applies
+        assert batch and configs, command
+        jobs[command] = batch
+    gpu = _expand_multirun(shlex.split("experiment=scaling_strong trainer=gpu trainer.devices=1,2,4,8"))[1]
+    assert [(c.trainer.devices, c.trainer.accelerator, c.data.global_batch_size) for c in gpu] == [(d, "gpu", 32) for d in (1, 2, 4, 8)]
+    weak = jobs["experiment=scaling_weak trainer=gpu trainer.devices=1,2,4,8"]
+    assert [[o for o in job if o.startswith("trainer.devices=")] for job in weak] == [[f"trainer.devices={d}"] for d in (1, 2, 4, 8)]
+    layouts = jobs["experiment=layout_sweep trainer.devices=8 strategy.tensor_parallel=1,2,4,8 strategy.pipeline_parallel=1,2,4,8"]
+    assert len(layouts) == 16
+    precisions = jobs["experiment=precision_sweep trainer=gpu precision=fp32,bf16,bf16_true,fp16"]
+    assert [[o for o in job if o.startswith("precision=")] for job in precisions] == [[f"precision={p}"] for p in ("fp32", "bf16", "bf16_true", "fp16")]
+    assert not [c for c in commands if "hydra.sweeper.params." in c]  # Hydra refuses a sweep over its own config
+
+
+def _mixed_sweep(root: Path, *, rates: tuple[Any, Any] = (1000.0, 2000.0), throughput: str = "logged") -> Path:
+    """Two completed jobs of one layout that differ in precision and global batch (job 1 is faster)."""
+    from omegaconf import OmegaConf
+
+    study = root / "multirun" / "mixed"
+    for job, (precision, name, batch, rate) in enumerate((("fp32", "32-true", 16, rates[0]), ("bf16", "bf16-mixed", 64, rates[1]))):
+        d = study / str(job)
+        d.mkdir(parents=True)
+        cfg = _compose("strategy=hybrid", f"precision={precision}", f"data.global_batch_size={batch}", "trainer.devices=1")
+        task = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("hydra", "study")])
+        OmegaConf.save(task, d / "resolved_config.yaml")
+        doc = {"status": "completed", "study": "mixed", "job": job, "layout": "dp1-tp1-pp1", "world_size": 1,
+               "layout_sizes": {"dp": 1, "tp": 1, "pp": 1}, "precision": name, "global_batch_size": batch,
+               "overrides": ["strategy=hybrid", f"precision={precision}", f"data.global_batch_size={batch}", "trainer.max_steps=5"],
+               "tokens_per_sec": rate, "mfu": None if rate is None else 0.1, "usd_per_1m_tokens": None, "peak_memory_bytes": 2**24,
+               "final_val_loss": 2.5, "best_val_loss": 2.4, "global_step": 5, "log_every_n_steps": 10, "throughput": throughput}  # fmt: skip
+        (d / "results.json").write_text(json.dumps(doc))
+    return study
+
+
+def test_best_carries_the_precision_the_global_batch_and_every_value_that_differed(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    report = build_report(_mixed_sweep(tmp_path), rank_by="tokens_per_sec", best=True)
+    best = OmegaConf.load(report.best_config)
+    assert best.data.global_batch_size == 64 and best.strategy.tensor_parallel == 1 and best.trainer.devices == 1
+    experiment = OmegaConf.load(report.directory / "conf" / "experiment" / "best.yaml")
+    assert {"override /precision": "bf16"} in experiment.defaults and report.best_command.endswith("experiment=best")
+    # Passed back as the command says, it composes the winner's run.
+    cfg = _compose(f"hydra.searchpath=[file://{report.directory / 'conf'}]", report.best_command.split()[-1])
+    assert (cfg.precision.precision, cfg.data.global_batch_size) == ("bf16-mixed", 64)
+
+
+def test_ranking_by_a_metric_no_job_recorded_is_an_error_naming_the_recorded_ones(tmp_path: Path) -> None:
+    study = _mixed_sweep(tmp_path)
+    with pytest.raises(ValueError, match=r"--rank-by usd_per_1m_tokens: no completed job recorded usd_per_1m_tokens.*"
+                       r"Recorded: tokens_per_sec, mfu, peak_memory_bytes, final_val_loss, best_val_loss"):  # fmt: skip
+        build_report(study, rank_by="usd_per_1m_tokens")
+    assert report_cli.main([str(study), "--rank-by", "usd_per_1m_tokens"]) == 2
+    assert not (study / "report").exists()
+
+
+def test_a_sweep_too_short_to_log_throughput_says_so(tmp_path: Path) -> None:
+    study = _mixed_sweep(tmp_path, rates=(None, None), throughput="no_logging_step")
+    with pytest.raises(ValueError, match=r"callback was on, but no job reached a logging step \(trainer.log_every_n_steps=10; "
+                       r"the jobs ran 5 steps\)"):  # fmt: skip
+        build_report(study)
+    md = build_report(study, rank_by="final_val_loss").markdown.read_text()
+    assert "the throughput callback was on, but no job reached a logging step" in md and "callback was off" not in md
+
+
+def test_bad_sweep_options_are_refused_before_any_job_starts() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_scale.cli.sweep import SweepSummary
+
+    with pytest.raises(TypeError, match=r"sweep.dry_run='yes' is not a boolean. Pass sweep.dry_run=true"):
+        SweepSummary().on_multirun_start(OmegaConf.create({"sweep": {"dry_run": "yes", "progress_every_s": 10}}))
+    with pytest.raises(ValueError, match=r"sweep.progress_every_s=0 must be a number of seconds > 0 .* sweep.progress_every_s=10"):
+        SweepSummary().on_multirun_start(OmegaConf.create({"sweep": {"dry_run": False, "progress_every_s": 0}}))
+    cfg = _compose("sweep.progress_every_s=-1")
+    with pytest.raises(ValueError, match=r"sweep.progress_every_s=-1 must be"):
+        SweepSummary().on_multirun_start(cfg)

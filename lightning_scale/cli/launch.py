@@ -86,7 +86,8 @@ def _multiply(*values: float) -> float:
 
 def register_resolvers() -> None:
     """Register the config's resolvers (idempotent): ``${ls_run_name:}``, ``${ls_log_suffix:}``,
-    ``${ls_study:}`` (``sweep.study_name``), ``${ls_wandb_offline:}`` and ``${ls_mul:a,b}``."""
+    ``${ls_study:}`` (``sweep.study_name``), ``${ls_wandb_offline:}``, ``${ls_mul:a,b}`` and
+    ``${ls_job_dir:num}`` (``sweep.job_dir_for``)."""
     from lightning_scale.cli import sweep
 
     resolvers = {
@@ -95,6 +96,7 @@ def register_resolvers() -> None:
         "ls_study": (sweep.study_name, True),  # cached: every job of a sweep gets the sweep's name
         "ls_wandb_offline": (sweep.wandb_offline, False),
         "ls_mul": (_multiply, False),
+        "ls_job_dir": (sweep.job_dir_for, False),  # a sweep job's directory, chosen by its config
     }
     for name, (function, cached) in resolvers.items():
         if not OmegaConf.has_resolver(name):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, noise, plot_all
+from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, plot_all
 from lightning_scale.cli.sweep import collect_results, wandb_offline
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
@@ -145,8 +145,38 @@ def _html_table(header: list[str], body: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
-def _write_best(directory: Path, job: dict[str, Any], rank_by: str) -> tuple[Path, str]:
-    from omegaconf import OmegaConf
+_NOT_CARRIED = ("hydra", "hydra/", "study", "sweep", "run_dir", "ckpt_path", "experiment")
+
+
+def yaml_value(text: str) -> Any:
+    """A command line's list value (``[csv,wandb]``) as YAML reads it."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _default_choice(group: str) -> str | None:
+    """The group's choice in the package's primary config (``conf/config.yaml``)."""
+    import yaml
+
+    from lightning_scale import conf
+
+    defaults = yaml.safe_load((Path(conf.__file__).parent / "config.yaml").read_text()).get("defaults", [])
+    return next((str(d[group]) for d in defaults if isinstance(d, dict) and group in d), None)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_best(directory: Path, job: dict[str, Any], rank_by: str, varying: set[str] = frozenset()) -> tuple[Path, str]:  # type: ignore[assignment]
+    """The winner as ``strategy/best.yaml`` (package ``_global_``): its layout and device count, its
+    precision and global batch, and every value that differed between the jobs (a group choice such as
+    ``precision=bf16`` as the whole node the job ran with)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     resolved = Path(job["job_dir"]) / "resolved_config.yaml"
     if not resolved.is_file():
@@ -160,12 +190,41 @@ def _write_best(directory: Path, job: dict[str, Any], rank_by: str) -> tuple[Pat
     if str(strategy.get("_target_", "")).endswith("HybridParallelStrategy") and sizes:
         strategy.data_parallel, strategy.tensor_parallel, strategy.pipeline_parallel = sizes["dp"], sizes["tp"], sizes["pp"]
     node = OmegaConf.create({"strategy": strategy, "trainer": {"devices": cfg.trainer.devices, "num_nodes": cfg.trainer.num_nodes}})
+    if OmegaConf.select(cfg, "data.global_batch_size") is not None:
+        OmegaConf.update(node, "data.global_batch_size", cfg.data.global_batch_size)
+    # Group choices (precision=bf16) go into the defaults list: a group later in the primary defaults would
+    # otherwise replace a node written here. The precision always; other groups when they differed.
+    groups: dict[str, Any] = {}
+    recorded_choice = (_read_json(Path(job["job_dir"]) / "job.json") or {}).get("precision_choice")
+    if recorded_choice and recorded_choice != _default_choice("precision"):
+        groups["precision"] = recorded_choice
+    for item in job.get("overrides") or []:
+        raw, _, text = str(item).partition("=")
+        key = raw.lstrip("+~")
+        if key.startswith(_NOT_CARRIED) or key.startswith("strategy") or (key not in varying and key != "precision"):
+            continue
+        if "." not in key and "/" not in key and isinstance(cfg.get(key), (DictConfig, ListConfig)):
+            groups[key] = yaml_value(text) if text.startswith("[") else text
+            continue
+        value = OmegaConf.select(cfg, key.replace("/", "."), default=None)
+        if value is not None:
+            OmegaConf.update(node, key.replace("/", "."), value, force_add=True)
     command = f"lightning-scale-train --config-dir {conf.resolve()} strategy=best"
-    text = (
+    header = (
         "# @package _global_\n"
         f"# The best layout of study {job.get('study')} by {rank_by}: job {job.get('job')}, {job.get('layout')} "
-        f"({_fmt(job.get(rank_by), rank_by)}).\n# Train with it:\n#   {command}\n" + OmegaConf.to_yaml(node)
+        f"({_fmt(job.get(rank_by), rank_by)}).\n"
     )
+    if groups:
+        # A group config (strategy/best) cannot choose groups that come after it in the defaults (precision):
+        # experiment/best, last in the defaults, chooses them and strategy=best.
+        command = f"lightning-scale-train --config-dir {conf.resolve()} experiment=best"
+        experiment = OmegaConf.create({"defaults": [{"override /strategy": "best"}, *({f"override /{k}": v} for k, v in groups.items()), "_self_"]})
+        (conf / "experiment").mkdir(parents=True, exist_ok=True)
+        (conf / "experiment" / "best.yaml").write_text(
+            header + f"# Its layout is strategy/best.yaml; here its other choices. Train with it:\n#   {command}\n" + OmegaConf.to_yaml(experiment)
+        )
+    text = header + f"# Train with it:\n#   {command}\n" + OmegaConf.to_yaml(node)
     target.write_text(text)
     return target, command
 
@@ -213,6 +272,14 @@ def build_report(
         studies.append(next((str(j["study"]) for j in found if j.get("study")), sweep.name))
         jobs += [{**j, "job": j.get("job") if len(sweeps) == 1 else f"{j.get('study') or sweep.name}/{j.get('job')}"} for j in found]
     sweep = sweeps[0]
+    done = [j for j in jobs if j.get("status") == "completed"]
+    if done and all(j.get(rank_by) is None for j in done):
+        recorded = [m for m in METRICS if any(j.get(m) is not None for j in done)]
+        hint = no_throughput_note(done) if rank_by in ("tokens_per_sec", "tokens_per_sec_per_device", "mfu") else ""
+        raise ValueError(
+            f"--rank-by {rank_by}: no completed job recorded {rank_by}, so there is no ranking by it. "
+            f"Recorded: {', '.join(recorded) or 'none'}; rank by one of those." + (f" {hint}" if hint else "")
+        )
     ranking = _ranked(jobs, rank_by)
     winners = [j for j in ranking if j.get(rank_by) is not None]
     if best and not winners:
@@ -253,7 +320,7 @@ def build_report(
     md += [f"- {n}" for n in notes]
     best_config = best_command = None
     if best:
-        best_config, best_command = _write_best(directory, winners[0], rank_by)
+        best_config, best_command = _write_best(directory, winners[0], rank_by, varying)
         md += ["", "## Best layout", "", f"`{best_config}`; train with it:", "", f"    {best_command}"]
     markdown = directory / "report.md"
     markdown.write_text("\n".join(md) + "\n")

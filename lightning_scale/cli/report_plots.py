@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOADED_AT", "NOISE_SPREAD", "PALETTE", "REPEAT_KEYS", "Group", "Plotter", "group_jobs", "noise", "plot_all"]
+__all__ = ["LOADED_AT", "NOISE_SPREAD", "PALETTE", "REPEAT_KEYS", "Group", "Plotter", "group_jobs", "no_throughput_note", "noise", "plot_all"]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 """Series colours, in order; each PNG lists its series and their colours in its ``Series`` text chunk."""
@@ -276,6 +276,22 @@ def _scaling_plots(plotter: Plotter, groups: Sequence[Group], found: tuple[list[
     plotter.save(fig, "scaling_efficiency", "Scaling efficiency", [("efficiency", PALETTE[2]), ("ideal", PALETTE[9])])
 
 
+def no_throughput_note(jobs: Sequence[dict[str, Any]]) -> str:
+    """Why no job recorded tokens/s: the callback was off, or on but the runs ended before it logged."""
+    states = {j.get("throughput") for j in jobs}
+    if "no_logging_step" in states:
+        every = sorted({int(j["log_every_n_steps"]) for j in jobs if j.get("log_every_n_steps")})
+        steps = sorted({int(j["global_step"]) for j in jobs if j.get("global_step") is not None})
+        return (
+            "No job logged throughput (train/tokens_per_sec): the throughput callback was on, but no job reached a "
+            f"logging step (trainer.log_every_n_steps={','.join(map(str, every)) or '?'}; the jobs ran "
+            f"{','.join(map(str, steps)) or '?'} steps). Train longer or log more often."
+        )
+    if states <= {"off"}:
+        return "No job logged throughput (train/tokens_per_sec): the throughput callback was off."
+    return "No job logged throughput (train/tokens_per_sec): the throughput callback was off, or no job reached a logging step."
+
+
 def plot_all(
     plotter: Plotter, jobs: Sequence[dict[str, Any]], job_label: Mapping[int, str], metrics: Mapping[str, Any]
 ) -> list[str]:
@@ -294,8 +310,7 @@ def plot_all(
         rows = [(g.label, [v * factor for v in g.values(key)]) for g in groups]
         rows = [r for r in rows if r[1]]
         if not rows:
-            why = " (the throughput callback was off)" if key == "tokens_per_sec" else ""
-            notes.append(f"No job recorded {key}{why}: {title} is not drawn.")
+            notes.append(no_throughput_note(jobs) if key == "tokens_per_sec" else f"No job recorded {key}: {title} is not drawn.")
             continue
         rows.sort(key=lambda r: statistics.median(r[1]), reverse=m.higher_is_better)
         better = "higher" if m.higher_is_better else "lower"

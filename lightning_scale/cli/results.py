@@ -4,6 +4,7 @@ rank's peak memory, and the environment it ran on (logged to wandb at the start)
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, cast
 
 import torch
@@ -31,13 +32,25 @@ SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "t
 
 class ValidationRecord(Callback):
     """The fit's loss curves (training loss at logging steps, every validation loss) and the last
-    validation loss with the step it was taken at."""
+    validation loss with the step it was taken at.
+
+    Its state goes into every checkpoint, so a resumed run's record continues the earlier attempts':
+    the curves from the first step, ``prior_elapsed_s`` (the earlier attempts' time up to the checkpoint
+    resumed from) and the first attempt's ``initial_val_loss``. A validation before a resumed fit is
+    recorded at the step it resumes from (``resume_step``), not at 0."""
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.loss: float | None = None
         self.val_curve: list[tuple[int, float]] = []
         self.train_curve: list[tuple[int, float]] = []
+        self.prior_elapsed_s = 0.0
+        self.initial_val_loss: float | None = None
+        self.resume_step: int | None = None
+        self.started_at: float | None = None  # time.perf_counter() when this attempt's run started
+
+    def _step(self, trainer: Trainer) -> int:
+        return trainer.global_step if trainer.state.fn == "fit" or self.resume_step is None else self.resume_step
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -49,9 +62,34 @@ class ValidationRecord(Callback):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
-            self.step = trainer.global_step
+            self.step = self._step(trainer)
             self.loss = float(trainer.callback_metrics["val/loss"])
-            self.val_curve.append((self.step, self.loss))
+            if not self.val_curve or self.val_curve[-1] != (self.step, self.loss):
+                self.val_curve.append((self.step, self.loss))
+
+    def elapsed_s(self) -> float:
+        """Every attempt's time up to now (the earlier ones up to the checkpoint this one resumed from)."""
+        now = time.perf_counter()
+        return self.prior_elapsed_s + (now - self.started_at if self.started_at is not None else 0.0)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"val_curve": [list(p) for p in self.val_curve], "train_curve": [list(p) for p in self.train_curve],
+                "elapsed_s": self.elapsed_s(), "initial_val_loss": self.initial_val_loss}  # fmt: skip
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The earlier attempts' points up to the checkpoint, then this attempt's (a validation before the
+        # resumed fit, at the step it resumes from, stays).
+        resumed_at = max((int(s) for s, _ in state_dict.get("train_curve", []) + state_dict.get("val_curve", [])), default=-1)
+        earlier_val = [(int(s), float(v)) for s, v in state_dict.get("val_curve", [])]
+        self.val_curve = earlier_val + [p for p in self.val_curve if p[0] >= resumed_at and p not in earlier_val]
+        self.train_curve = [(int(s), float(v)) for s, v in state_dict.get("train_curve", [])] + [
+            p for p in self.train_curve if p[0] > resumed_at
+        ]
+        self.prior_elapsed_s = float(state_dict.get("elapsed_s") or 0.0)
+        if state_dict.get("initial_val_loss") is not None:
+            self.initial_val_loss = float(state_dict["initial_val_loss"])
 
 
 def num_parameters(module: LightningModule) -> int:
@@ -102,7 +140,8 @@ def job_results(
     job = cast(dict, OmegaConf.to_container(cfg.job, resolve=True)) if cfg.get("job") is not None else {}
     plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     layout = job.get("layout") or layout_of(plain)
-    vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if k in summary]
+    vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if summary.get(k) is not None]
+    throughput_on = any(type(c).__name__ == "Throughput" for c in trainer.callbacks)
     cost = (cfg.get("callbacks") or {}).get("cost") or {}
     return {
         "status": "completed",
@@ -136,6 +175,11 @@ def job_results(
         "usd_to_target": summary.get("cost/usd_to_target"),
         "wandb_run_id": job.get("wandb_run_id"),
         "resumed_from": job.get("resumed_from"),
+        "attempt": job.get("attempt", 0),
+        # Why tokens_per_sec may be null: "off" (no Throughput callback), "no_logging_step" (it was on, but the
+        # run ended before its first logging step: trainer.log_every_n_steps), or "logged".
+        "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step") if throughput_on else "off",
+        "log_every_n_steps": trainer.log_every_n_steps,
         "metrics": {k: v for k, v in summary.items() if "/" in k},  # the telemetry callbacks' last values, by metric name
         "curves": {"train/loss": record.train_curve, "val/loss": record.val_curve},
     }

@@ -259,11 +259,26 @@ def _train(
         )
     log_config(trainer, cfg)
     summary: dict[str, Any] = {}
+    record.started_at = start
+    resume_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else None
     if cfg.validate_before_fit:
-        # With a checkpoint, "before" means the weights training resumes from.
+        # With a checkpoint, "before" means the weights training resumes from: logged (and recorded) at the
+        # step it resumes from, so the curves and the loggers' steps go on from there rather than from 0.
+        if resume_step is not None:
+            record.resume_step = resume_step
+            trainer.fit_loop.epoch_loop._batches_that_stepped = resume_step  # the step Lightning logs evaluation at
         metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
-        summary["initial_val_loss"] = metrics[0]["val/loss"]
+        record.resume_step = None
+        trainer.fit_loop.epoch_loop._batches_that_stepped = 0  # the fit restores it from the checkpoint
+        if resume_step is None:
+            record.initial_val_loss = float(metrics[0]["val/loss"])
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if record.initial_val_loss is not None:  # a resumed fit restored the first attempt's
+        summary["initial_val_loss"] = record.initial_val_loss
+    # The telemetry's last values now: trainer.validate() below starts a new stage, which empties
+    # trainer.callback_metrics (whatever the logger), and the run would record no tokens/s, MFU or $.
+    telemetry = {k: float(trainer.callback_metrics[k]) for k in SUMMARY_METRICS if k in trainer.callback_metrics}
+    final_train_loss = trainer.callback_metrics.get("train/loss")
     if cfg.validate_after_fit:
         if record.step == trainer.global_step and record.loss is not None:
             summary["final_val_loss"] = record.loss  # the fit already validated the final weights
@@ -273,13 +288,11 @@ def _train(
         global_step=trainer.global_step,
         world_size=trainer.world_size,
         num_parameters=num_parameters(module),
-        elapsed_s=round(time.perf_counter() - start, 2),
+        elapsed_s=round(record.elapsed_s(), 2),  # every attempt's, a resumed run's included
     )
-    if "train/loss" in trainer.callback_metrics:
-        summary["final_train_loss"] = float(trainer.callback_metrics["train/loss"])
-    for key in SUMMARY_METRICS:  # the telemetry callbacks' last values
-        if key in trainer.callback_metrics:
-            summary[key] = float(trainer.callback_metrics[key])
+    if final_train_loss is not None:
+        summary["final_train_loss"] = float(final_train_loss)
+    summary.update(telemetry)  # the telemetry callbacks' last values
     peaks = peak_memory(trainer)  # a collective: every rank
     finish_wandb(trainer)
     if trainer.is_global_zero:
@@ -289,6 +302,27 @@ def _train(
         results = job_results(cfg, summary, record, trainer, datamodule, peaks)
         (Path(cfg.run_dir) / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
     return summary
+
+
+def _checkpoint_step(path: str) -> int | None:
+    """The global step a checkpoint was taken at (its manifest, or a ``.ckpt`` file's ``global_step``)."""
+    target = Path(path)
+    if target.is_dir():
+        try:
+            step = json.loads((target / "manifest.json").read_text()).get("global_step")
+        except (OSError, ValueError):
+            return None
+        return step if isinstance(step, int) else None
+    if target.is_file():
+        import torch
+
+        try:
+            state = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - a file Lightning itself will reject with its own message
+            return None
+        step = state.get("global_step") if isinstance(state, dict) else None
+        return step if isinstance(step, int) else None
+    return None
 
 
 def _job_info(cfg: DictConfig) -> dict[str, Any]:
