@@ -36,7 +36,7 @@ def _write_job(study: Path, job: int, *, world: int, tp: int = 1, pp: int = 1, r
         "overrides": overrides, "precision": precision, "world_size": world, "num_nodes": 1, "accelerator": "cuda",
         "global_batch_size": 32, "seq_len": 256, "tokens_per_sec": rate, "tokens_per_sec_per_device": rate / world,
         "mfu": rate / 10_000, "usd_per_1m_tokens": 4000.0 / rate, "peak_memory_bytes": int(4096 / (tp * pp)) * 2**20,
-        "final_val_loss": 2.5, "best_val_loss": 2.45, "cpu_count": 16,
+        "final_val_loss": 2.5, "best_val_loss": 2.45, "cpu_count": 16, "elapsed_s": 100.0,
         "curves": {"train/loss": [[s, 5.0 - s / 100 - job / 50] for s in range(0, 101, 25)], "val/loss": [[100, 2.5]]},
         **extra,
     }  # fmt: skip
@@ -139,6 +139,8 @@ def test_a_device_count_sweep_has_scaling_plots_and_an_efficiency_column(tmp_pat
         ("#2 dp4-tp1-pp1", "4", "88%"), ("#1 dp2-tp1-pp1", "2", "95%"), ("#0 dp1-tp1-pp1", "1", "100%")
     ]  # fmt: skip
     assert "**Warning:**" not in md
+    # The study's totals (the synthetic jobs record 100 s each and $ from their rate): 100 s on 1+2+4 devices.
+    assert "Study totals: 3 jobs ran: 0.194 device-hours, 0.0833 h of jobs, no cost recorded" in md
     assert "No configuration was repeated" in md and "did not record the machine's load" in md
 
 

@@ -103,6 +103,13 @@ def test_each_job_starts_its_processes_once_in_its_own_directory(four_jobs: dict
         assert r["best_val_loss"] <= r["final_val_loss"] < 5.5  # byte-level loss starts at ln 256
         assert r["curves"]["val/loss"] and r["curves"]["train/loss"]
         assert r["resumed_from"] is None
+        # The machine's load around the job, for the report's noise warning.
+        assert r["load_average"]["start"] >= 0 and r["load_average"]["end"] > 0 and r["cpu_count"] >= 1
+    # The study's totals: each job's elapsed time on its 2 devices.
+    totals = json.loads((study / "sweep.json").read_text())["totals"]
+    assert totals["jobs_run"] == 4 and totals["job_hours"] == pytest.approx(sum(r["elapsed_s"] for r in done.values()) / 3600)
+    assert totals["device_hours"] == pytest.approx(2 * totals["job_hours"])
+    assert "device-hours" in proc.stdout + proc.stderr
     # One layout's training equals another's (parity), so the jobs ran their own configs correctly.
     losses = [r["final_val_loss"] for r in done.values()]
     assert max(losses) - min(losses) < 1e-3, losses
@@ -661,6 +668,9 @@ def test_the_readme_sweep_commands_compose_into_their_jobs() -> None:
     precisions = jobs["experiment=precision_sweep trainer=gpu precision=fp32,bf16,bf16_true,fp16"]
     assert [[o for o in job if o.startswith("precision=")] for job in precisions] == [[f"precision={p}"] for p in ("fp32", "bf16", "bf16_true", "fp16")]
     assert not [c for c in commands if "hydra.sweeper.params." in c]  # Hydra refuses a sweep over its own config
+    repeated = _expand_multirun(shlex.split("experiment=layout_sweep repeat=range(3)"))[1]
+    layouts = {(c.strategy.tensor_parallel, c.strategy.pipeline_parallel) for c in repeated}
+    assert len(repeated) == 3 * len(layouts) and sorted({c.repeat for c in repeated}) == [0, 1, 2]
 
 
 def _mixed_sweep(root: Path, *, rates: tuple[Any, Any] = (1000.0, 2000.0), throughput: str = "logged") -> Path:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, plot_all
-from lightning_scale.cli.sweep import collect_results, wandb_offline
+from lightning_scale.cli.sweep import collect_results, describe_totals, study_totals, wandb_offline
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
 
@@ -302,10 +302,13 @@ def build_report(
 
     counts = {s: sum(j.get("status") == s for j in jobs) for s in ("completed", "skipped", "failed")}
     summary = f"{len(jobs)} jobs in {{}}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "."
+    totals = f"Study totals: {describe_totals(study_totals(jobs))}."
     md = [
         f"# Sweep report: {study}",
         "",
         summary.format(", ".join(f"`{d}`" for d in sweeps)),
+        "",
+        totals,
         "",
         *[f"> **Warning:** {w}" + ("  " if i < len(warnings) - 1 else "") for i, w in enumerate(warnings)],
         *([""] if warnings else []),
@@ -341,7 +344,7 @@ def build_report(
     page = (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep report: {html.escape(study)}</title>"
         f"<style>{style}</style></head><body><h1>Sweep report: {html.escape(study)}</h1>"
-        f"<p>{html.escape(summary.format(', '.join(map(str, sweeps))))}</p>" + (f"<div class='warning'><b>Warning</b>{warning}</div>" if warnings else "")
+        f"<p>{html.escape(summary.format(', '.join(map(str, sweeps))))}</p><p>{html.escape(totals)}</p>" + (f"<div class='warning'><b>Warning</b>{warning}</div>" if warnings else "")
         + f"<h2>Ranking by {html.escape(metric.label)} ({order} first)</h2>"
         f"{_html_table(header, body)}" + (f"<h2>Not completed</h2><ul>{not_done}</ul>" if others else "")
         + f"<h2>Plots</h2><div class='plots'>{images}</div>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes)

@@ -1,7 +1,7 @@
 """The report's plots: what each configuration of a sweep delivered, and whether to trust it.
 
 - **Groups.** Jobs that share a configuration are one group: they differ only in a repeat key
-  (``seed``, ``repeat``, ``trial``, e.g. ``+repeat=0,1,2``), or are the same configuration in two
+  (``seed``, ``repeat``, ``trial``, e.g. ``repeat=range(3)``), or are the same configuration in two
   studies reported together. A group's label is what varies between groups (``tp=2 pp=1``,
   ``devices=4``, ``bf16-mixed``); its bar is the median of its jobs, its error bar their min..max.
 - **Bars** (throughput, USD per 1M tokens, MFU, peak memory): one horizontal bar per group, best
@@ -151,10 +151,10 @@ def noise(groups: Sequence[Group], job_label: Mapping[int, str]) -> tuple[list[s
         warnings.append(f"{len(busy)} of {len(jobs)} jobs started on a busy machine (1-minute load average >= {LOADED_AT:g}): {listed}.")
     if warnings:
         warnings.insert(0, "Throughput is noisy: a difference smaller than the spread below decides nothing. Rerun on an idle "
-                           "machine, with repeats (e.g. seed=1,2,3), before choosing a layout by it.")  # fmt: skip
+                           "machine, with repeats (e.g. repeat=range(3)), before choosing a layout by it.")  # fmt: skip
     if not any(len(g.values("tokens_per_sec")) > 1 for g in groups):
         notes.append("No configuration was repeated, so the spread of throughput is unknown: add repeats to the sweep, "
-                     f"e.g. seed=1,2,3 (jobs that differ only in {' or '.join(sorted(REPEAT_KEYS))} are repeats of one "
+                     f"e.g. repeat=range(3) (jobs that differ only in {' or '.join(sorted(REPEAT_KEYS))} are repeats of one "
                      "configuration).")  # fmt: skip
     if jobs and all(v is None for v in loads.values()):
         notes.append("The jobs did not record the machine's load (load_average in results.json): a busy machine "

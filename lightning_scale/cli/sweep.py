@@ -45,7 +45,7 @@ import string
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,6 +60,8 @@ __all__ = [
     "STATUSES",
     "SweepSummary",
     "collect_results",
+    "describe_totals",
+    "study_totals",
     "JobDirBusy",
     "check_sweep_options",
     "config_fingerprint",
@@ -631,6 +633,7 @@ def run_job(cfg: DictConfig, resolved: DictConfig, job: dict[str, Any]) -> dict[
             _say(f"{label}: finished earlier, skipped ({run_dir / RESULTS_FILE})")
             return done
         prepare_job(resolved, job)
+        load_start = os.getloadavg()[0]  # before this job's processes: what else the machine was doing
         if launched_externally() or (_own_process() and _world_size(resolved) == 1):
             # srun started every rank of this job, or this process is the job's alone (a submitit
             # job of one device): train here.
@@ -658,6 +661,10 @@ def run_job(cfg: DictConfig, resolved: DictConfig, job: dict[str, Any]) -> dict[
         reason = f"exit code {code}" + ("" if code else ", no results.json")
         _say(f"{label}: failed ({reason}); log: {run_dir / _LOG_FILE}\n{_tail(run_dir / _LOG_FILE)}")
         return _record(run_dir, job, "failed", reason=reason, elapsed_s=round(time.monotonic() - start, 1))
+    # The report warns when a job started on a busy machine: its throughput is noise.
+    results["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    results["cpu_count"] = os.cpu_count()
+    _write_json(run_dir / RESULTS_FILE, results)
     rate = results.get("tokens_per_sec")
     _say(f"{label}: completed in {time.monotonic() - start:.0f} s" + (f", {rate:,.0f} tokens/s" if rate else ""))
     return results
@@ -713,6 +720,30 @@ def collect_results(sweep_dir: Path) -> list[dict[str, Any]]:
         if doc is not None:
             found.append({**doc, "job_dir": str(path.parent)})
     return sorted(found, key=lambda d: (d.get("job") is None, d.get("job") if isinstance(d.get("job"), int) else 0, d["job_dir"]))
+
+
+def study_totals(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a study cost, over its jobs that ran (completed, or failed after running): ``device_hours``
+    (each job's elapsed time x its devices), ``job_hours`` (the jobs' elapsed times added: the wall time
+    of a sweep that runs them one after another), ``usd`` (the jobs' recorded cost, ``None`` when no job
+    recorded one) and ``priced_jobs`` of ``jobs_run``."""
+    ran = [j for j in jobs if isinstance(j.get("elapsed_s"), (int, float))]
+    priced = [j for j in ran if isinstance(j.get("usd"), (int, float))]
+    return {
+        "jobs_run": len(ran),
+        "device_hours": sum(float(j["elapsed_s"]) * int(j.get("world_size") or 1) for j in ran) / 3600,
+        "job_hours": sum(float(j["elapsed_s"]) for j in ran) / 3600,
+        "usd": sum(float(j["usd"]) for j in priced) if priced else None,
+        "priced_jobs": len(priced),
+    }
+
+
+def describe_totals(totals: Mapping[str, Any]) -> str:
+    """One line for a study's totals (:func:`study_totals`)."""
+    usd = (f"${totals['usd']:,.2f} ({totals['priced_jobs']} of {totals['jobs_run']} jobs priced)"
+           if totals["usd"] is not None else "no cost recorded (no price for the device)")  # fmt: skip
+    return (f"{totals['jobs_run']} jobs ran: {totals['device_hours']:.3g} device-hours, "
+            f"{totals['job_hours']:.3g} h of jobs, {usd}")  # fmt: skip
 
 
 def failed_jobs() -> int:
@@ -772,8 +803,10 @@ class SweepSummary(Callback):
             rows.append({"dir": job_dir.name, **{k: doc.get(k) for k in ("status", "layout", "tokens_per_sec", "reason")}})
         counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
         _FAILED.append(counts["failed"])
-        _write_json(sweep_dir / "sweep.json", {"study": config.get("study"), "counts": counts, "jobs": rows})
-        print(f"[sweep] {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items()), flush=True)
+        totals = study_totals(list(results.values()))
+        _write_json(sweep_dir / "sweep.json", {"study": config.get("study"), "counts": counts, "totals": totals, "jobs": rows})
+        print(f"[sweep] {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"; {describe_totals(totals)}",
+              flush=True)  # fmt: skip
         for r in rows:
             detail = f"{r['tokens_per_sec']:,.0f} tokens/s" if r.get("tokens_per_sec") else (r.get("reason") or "")
             print(f"[sweep]   {r['dir']:>4} {r['status']:<9} {r.get('layout') or '':<16} {detail}", flush=True)
