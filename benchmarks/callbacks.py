@@ -179,6 +179,8 @@ def main() -> None:
         "log_every_n_steps": 50,
         "step_s": step,
         "overhead_fraction": ratio["none"] - 1,
+        "overhead_by_round": [o / b - 1 for o, b in zip(means["ours"], means["none"])],
+        "overhead_of_medians": step["ours"] / step["none"] - 1,
         "ratio_vs_throughput_monitor": ratio["lightning"],
         "hook_s_per_step": hooks,
         "start_hooks_s": {v: statistics.median(start_s[v]) for v in ("ours", "lightning")},
