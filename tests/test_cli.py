@@ -153,6 +153,16 @@ def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(q
     reference = json.loads((quickstart.run_dir / "summary.json").read_text())
     assert summary["global_step"] == 300
     assert summary["final_val_loss"] == reference["final_val_loss"]
+    # The CSV log holds the whole run, each logged step once: the attempts' rows up to each resume point,
+    # then the next attempt's (Lightning's writer had deleted the file at each start). The step the
+    # preemption stopped at has no row: the checkpoint is committed and the process ends before
+    # Lightning logs that step's metrics.
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        train_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    stopped = int(preempted.name.removeprefix("step-")) - 1  # Lightning's row index of that step
+    assert train_steps == [s for s in range(9, 300, 10) if s != stopped], train_steps
 
 
 def test_bad_value_fails_fast_from_the_command_line(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 __all__ = [
+    "CsvHistory",
     "SUMMARY_METRICS",
     "ValidationRecord",
     "environment",
@@ -90,6 +91,50 @@ class ValidationRecord(Callback):
         self.prior_elapsed_s = float(state_dict.get("elapsed_s") or 0.0)
         if state_dict.get("initial_val_loss") is not None:
             self.initial_val_loss = float(state_dict["initial_val_loss"])
+
+
+class CsvHistory(Callback):
+    """Keep a resumed run's earlier rows in ``CSVLogger``'s ``metrics.csv``.
+
+    Lightning's CSV writer deletes an existing ``metrics.csv`` when it starts, so a run resumed in its
+    own directory kept only the rows of its last attempt. The file's rows are read when this callback is
+    made (before any writer starts); when training starts, those before the step it resumes from are
+    put back ahead of the new ones (global rank 0, where the loggers write)."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+        self._earlier: list[dict[str, str]] = []
+        path = os.path.join(logger.log_dir, "metrics.csv")
+        if os.path.isfile(path):
+            import csv
+
+            with open(path, newline="") as f:
+                self._earlier = list(csv.DictReader(f))
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._earlier or not trainer.is_global_zero:
+            return
+        import csv
+
+        start = trainer.global_step
+        keep = [r for r in self._earlier if r.get("step", "").isdigit() and int(r["step"]) < start]
+        self._earlier = []
+        if not keep:
+            return
+        writer = self.logger.experiment  # Lightning's _ExperimentWriter (its file deleted when it started)
+        writer.save()  # what this run logged so far (its validation before training)
+        path = writer.metrics_file_path
+        current: list[dict[str, str]] = []
+        if os.path.isfile(path):
+            with open(path, newline="") as f:
+                current = list(csv.DictReader(f))
+        keys = list(dict.fromkeys(k for row in (*keep, *current) for k in row))
+        with open(path, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=keys)
+            out.writeheader()
+            out.writerows([*keep, *current])
+        writer.metrics_keys = keys  # later saves append under this header (or widen it)
 
 
 def num_parameters(module: LightningModule) -> int:

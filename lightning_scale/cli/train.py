@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_scale.callbacks import ConsoleLogger, Preempted, PreemptionCheckpoint
 from lightning_scale.cli.launch import global_rank, launched_externally, register_resolvers
 from lightning_scale.cli.results import (
+    CsvHistory,
     SUMMARY_METRICS,
     ValidationRecord,
     finish_wandb,
@@ -172,6 +173,9 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRec
     record = ValidationRecord()
     callbacks = [_instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [_instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    from lightning.pytorch.loggers import CSVLogger
+
+    callbacks += [CsvHistory(lg) for lg in loggers if isinstance(lg, CSVLogger)]  # a resumed run keeps its rows
     strategy = _instantiate(cfg.strategy)
     if not isinstance(strategy, HybridParallelStrategy) and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
         # HybridParallelStrategy adds one to every fit; Lightning's strategies do not, and their own SIGTERM
