@@ -229,14 +229,15 @@ def batch_tokens(batch: Any, shape_fn: Callable[[Any], tuple[int, int]] | None) 
     return int(shape[0]), int(shape[1])
 
 
-def reduce_sum(trainer: Trainer, values: Iterable[float]) -> list[float]:
-    """Sum over every process (one all-reduce of float64 numbers; none when not distributed)."""
+def reduce_sum(trainer: Trainer, values: Iterable[float], op: Any = None) -> list[float]:
+    """Sum (or ``op``, e.g. ``dist.ReduceOp.MAX``) over every process: one all-reduce of float64
+    numbers; none when not distributed."""
     values = list(values)
     if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
         return values
     device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
     return tensor.tolist()
 
 

@@ -73,9 +73,4 @@ class MemoryMonitor(telemetry.TimedCallback):
     def compute(self, trainer: Trainer) -> dict[str, float]:
         """The largest value of each figure over the processes (one all-reduce when distributed)."""
         mine = self.read()
-        if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
-            return mine
-        device = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
-        values = torch.tensor(list(mine.values()), dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return dict(zip(mine, values.tolist(), strict=True))
+        return dict(zip(mine, telemetry.reduce_sum(trainer, mine.values(), op=dist.ReduceOp.MAX), strict=True))
