@@ -53,8 +53,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, TensorDataset
 
 from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
-from lightning_scale.core.partition import bubble_fraction, partition_by_layers
-from lightning_scale.core.pipeline import prune_to_stage
+from lightning_scale.core.pipeline.partition import bubble_fraction, partition_by_layers
+from lightning_scale.core.pipeline.spec import prune_to_stage
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec, language_model_loss
 from lightning_scale.strategies import HybridParallelStrategy
 

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 
-from lightning_scale.core.grad_norm import clip_grad_norm_
-from lightning_scale.core.tensor_parallel import apply_tensor_parallel
+from lightning_scale.core.precision.grad_norm import clip_grad_norm_
+from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
 

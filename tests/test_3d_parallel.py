@@ -212,7 +212,7 @@ def test_a_ddp_flag_that_is_not_a_bool_is_refused() -> None:
     ],
 )  # fmt: skip
 def test_ddp_options_without_ddp_are_refused(kwargs: dict[str, Any], layout: tuple[int, int, int], match: str) -> None:
-    from lightning_scale.core.layout import Layout
+    from lightning_scale.core.parallel.layout import Layout
 
     with pytest.raises(ValueError, match=match):
         HybridParallelStrategy(**kwargs).options.check_layout(Layout(*layout))

@@ -1,4 +1,4 @@
-"""The checkpoint directory format (``lightning_scale.core.checkpoint_format``): atomic commit, the
+"""The checkpoint directory format (``lightning_scale.core.checkpoint.format``): atomic commit, the
 manifest, verification naming the broken file, ``latest`` falling back, retention. No process group."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_scale.core.checkpoint_commit import commit, file_entries, staged_name, staging_dir, write_manifest
-from lightning_scale.core.checkpoint_format import (
+from lightning_scale.core.checkpoint.commit import commit, file_entries, staged_name, staging_dir, write_manifest
+from lightning_scale.core.checkpoint.format import (
     MANIFEST,
     CheckpointCorruptError,
     checkpoint_name,
@@ -183,7 +183,7 @@ def _save_tp2(rank: int, world: int, root: str) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_scale.core.sharded_checkpoint import save_sharded
+    from lightning_scale.core.checkpoint.sharded import save_sharded
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
@@ -196,7 +196,7 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
     import torch
     from helpers.distributed import run_distributed
 
-    from lightning_scale.core.sharded_checkpoint import load_sharded, save_sharded
+    from lightning_scale.core.checkpoint.sharded import load_sharded, save_sharded
 
     files = run_distributed(_save_tp2, 2, str(tmp_path), timeout=120)[0]
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
@@ -221,7 +221,7 @@ def test_every_rank_writes_its_shard_and_one_process_loads_the_whole(tmp_path: P
 def _three_tensors(root: Path, checksum: str = "crc32") -> tuple[Path, dict]:
     import torch
 
-    from lightning_scale.core.sharded_checkpoint import save_sharded
+    from lightning_scale.core.checkpoint.sharded import save_sharded
 
     state = {"big": torch.arange(50_000, dtype=torch.float32), "small": torch.ones(4), "mid": torch.randn(3000)}
     path = save_sharded(root / checkpoint_name(1), state, metadata={"global_step": 1}, token="tok", checksum=checksum)
@@ -238,8 +238,8 @@ def _flip(file: Path, at: int) -> None:
 def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp_path: Path, checksum: str) -> None:
     import torch
 
-    from lightning_scale.core.shard_reader import ShardReader
-    from lightning_scale.core.sharded_checkpoint import load_sharded
+    from lightning_scale.core.checkpoint.shard_reader import ShardReader
+    from lightning_scale.core.checkpoint.sharded import load_sharded
 
     path, state = _three_tensors(tmp_path, checksum)
     assert all(checksum in e for e in verify(path)["files"])
@@ -270,7 +270,7 @@ def test_a_load_hashes_the_shards_as_it_reads_them_and_names_a_corrupted_one(tmp
 def test_paths_and_urls_name_one_place_and_a_protocol_nobody_installed_says_what_to_install(tmp_path: Path) -> None:
     import fsspec
 
-    from lightning_scale.core.storage import RemotePath, as_path, renames_atomically
+    from lightning_scale.core.checkpoint.storage import RemotePath, as_path, renames_atomically
 
     assert as_path(str(tmp_path)) == tmp_path and renames_atomically(tmp_path)
     url = as_path("memory://storage-test/run")

@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_checkpoint_safety import Tiny, _cli, _trainer
 
-from lightning_scale.core.checkpoint_format import MANIFEST
-from lightning_scale.core.sharded_checkpoint import save_sharded
+from lightning_scale.core.checkpoint.format import MANIFEST
+from lightning_scale.core.checkpoint.sharded import save_sharded
 from lightning_scale.plugins import ShardedCheckpointIO
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy

@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.cli.ckpt import main as ckpt_main
-from lightning_scale.core.checkpoint_format import MANIFEST, CheckpointCorruptError
-from lightning_scale.core.checksums import file_checksum
+from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError
+from lightning_scale.core.checkpoint.checksums import file_checksum
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 

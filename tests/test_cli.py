@@ -24,7 +24,7 @@ from hydra.core.global_hydra import GlobalHydra
 from lightning_scale.callbacks import PreemptionCheckpoint
 from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_checkpoint
 from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, build, planned_data_parallel_size
-from lightning_scale.core.checkpoint_format import verify
+from lightning_scale.core.checkpoint.format import verify
 from lightning_scale.plugins import PREEMPTION_EXIT_CODE, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.block_costs import measure_costs
-from lightning_scale.core.deferred_init import DeferredInit
+from lightning_scale.core.pipeline.block_costs import measure_costs
+from lightning_scale.core.parallel.deferred_init import DeferredInit
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule
 from lightning_scale.models.parallel import gpt_pipeline_spec

@@ -12,16 +12,16 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_scale.core.data_parallel import apply_activation_checkpointing
-from lightning_scale.core.flops import (
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
+from lightning_scale.core.telemetry.flops import (
     hardware_flops_per_token,
     matmul_parameters,
     measured_flops_per_token,
     model_flops_utilization,
     transformer_flops_per_token,
 )
-from lightning_scale.core.model_facts import ModelFacts
-from lightning_scale.core.peaks import PEAKS, chip_of, device_peak
+from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, device_peak
 from lightning_scale.models import GPT, PRESETS
 from lightning_scale.strategies._parallelize import checkpointed_blocks
 

@@ -12,7 +12,7 @@ from helpers.lightning import quiet_trainer
 from lightning.pytorch import seed_everything
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.data_parallel import COMPRESSIONS, wrap_ddp
+from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, wrap_ddp
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.strategies import HybridParallelStrategy

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_scale  # noqa: F401
 from lightning_scale.callbacks import GradNormMonitor
-from lightning_scale.core.pipeline import PipelineSpec
+from lightning_scale.core.pipeline.spec import PipelineSpec
 from lightning_scale.data import DataParallelSampler, data_parallel_coordinates
 from lightning_scale.integrations.huggingface import hf_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
@@ -251,7 +251,7 @@ def test_a_module_using_the_models_own_float32_loss_matches_to_float32_rounding(
 def test_every_supported_familys_stages_chained_equal_the_whole_model(family: str) -> None:
     import copy
 
-    from lightning_scale.core.pipeline import StageForward, prune_to_stage
+    from lightning_scale.core.pipeline.spec import StageForward, prune_to_stage
     from lightning_scale.strategies._pipeline import pipeline_spec_of
 
     torch.manual_seed(0)

@@ -45,6 +45,39 @@ def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
     assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; core may import torch and the stdlib only"
 
 
+CORE_MAY_IMPORT = {
+    "checks": set(),
+    "lr_schedule": set(),
+    "parallel": {"checks"},
+    "checkpoint": {"checks", "parallel"},
+    "pipeline": {"checks", "parallel"},
+    "precision": {"checks", "parallel"},
+    "telemetry": {"checks", "parallel"},
+}
+"""What each part of ``core`` may import from the rest of it (its own modules aside); the docstring of
+``lightning_scale/core/__init__.py`` says the same."""
+
+
+def _core_part(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["lightning_scale", "core"] else None
+
+
+def test_core_is_only_made_of_the_declared_parts() -> None:
+    found = {p.stem if p.parent == PKG / "core" else p.relative_to(PKG / "core").parts[0] for p in _files("core")}
+    assert found - {"__init__"} == set(CORE_MAY_IMPORT), "a new part of core: declare what it may import"
+
+
+@pytest.mark.parametrize("path", _files("core"), ids=lambda p: str(p.relative_to(PKG / "core")))
+def test_core_parts_import_only_downward(path: Path) -> None:
+    if path == PKG / "core" / "__init__.py":
+        return
+    own = _core_part(".".join(path.relative_to(PKG.parent).with_suffix("").parts))
+    allowed = CORE_MAY_IMPORT[own] | {own}
+    bad = [n for n in _imports(path) if _core_part(n) is not None and _core_part(n) not in allowed]
+    assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; core.{own} may import only {sorted(allowed)}"
+
+
 @pytest.mark.parametrize("sub", ["strategies", "plugins", "callbacks", "core", "models", "data", "integrations"])
 def test_lower_layers_never_import_cli_or_conf(sub: str) -> None:
     for path in (PKG / sub).rglob("*.py"):
@@ -61,7 +94,7 @@ def test_adapters_never_import_the_reference_models(sub: str) -> None:
 
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     # Guard against a checker that can never fail.
-    fake = PKG / "core" / "schedules.py"
+    fake = PKG / "core" / "lr_schedule.py"
     assert "math" in _imports(fake)
     bad_file = tmp_path / "bad.py"
     bad_file.write_text("import lightning.pytorch as pl\nfrom omegaconf import OmegaConf\n")
@@ -73,3 +106,9 @@ def test_the_hugging_face_integration_does_not_import_transformers() -> None:
     # `import lightning_scale` registers it; it must stay light and work without the extra.
     bad = [n for p in (PKG / "integrations").rglob("*.py") for n in _imports(p) if n.split(".")[0] == "transformers"]
     assert not bad, bad
+
+
+def test_the_direction_check_sees_an_upward_import() -> None:
+    # Guard against a direction check that can never fail: checkpoint importing telemetry is upward-sideways.
+    assert _core_part("lightning_scale.core.telemetry.flops") == "telemetry"
+    assert "telemetry" not in CORE_MAY_IMPORT["checkpoint"] and _core_part("lightning_scale.cli.train") is None

@@ -1,5 +1,5 @@
-"""The fp16 loss scaler's state machine (``lightning_scale.core.loss_scaler``) and the one-collective
-gradient statistics (``lightning_scale.core.grad_norm``), with no process group."""
+"""The fp16 loss scaler's state machine (``lightning_scale.core.precision.loss_scaler``) and the one-collective
+gradient statistics (``lightning_scale.core.precision.grad_norm``), with no process group."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from lightning_scale.core.grad_norm import GradientScope, clip_grads_by_value_, gradient_stats, scale_grads_
-from lightning_scale.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+from lightning_scale.core.precision.grad_norm import GradientScope, clip_grads_by_value_, gradient_stats, scale_grads_
+from lightning_scale.core.precision.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 
 
 def _run(scaler: DynamicLossScaler, pattern: str) -> list[tuple[bool, float]]:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_scale.core.partition import (
+from lightning_scale.core.pipeline.partition import (
     SCHEDULES,
     balanced_partition,
     bubble_fraction,

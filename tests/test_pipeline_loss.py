@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from helpers.models import TinyViT
 from torch import nn
 
-from lightning_scale.core.pipeline import (
+from lightning_scale.core.pipeline.spec import (
     PipelineSpec,
     StageForward,
     labelled_tokens,
@@ -24,7 +24,7 @@ from lightning_scale.core.pipeline import (
     undeclared_parameters,
     with_registered_forward,
 )
-from lightning_scale.core.pipeline_loss import MicroBatchLoss, split_microbatches
+from lightning_scale.core.pipeline.loss import MicroBatchLoss, split_microbatches
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +89,7 @@ def test_without_a_token_count_micro_batches_count_equally_and_ignored_labels_ar
     full = target.clamp(min=0)
     loss = MicroBatchLoss(_lm_loss, None)
     torch.testing.assert_close(_pipelined(loss, logits, full, 2), _lm_loss(logits, full), rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match=re.escape("target holds -100") + r".*Give the spec `loss_tokens=lightning_scale.core.pipeline.labelled_tokens`"):
+    with pytest.raises(ValueError, match=re.escape("target holds -100") + r".*Give the spec `loss_tokens=lightning_scale.core.pipeline.spec.labelled_tokens`"):
         loss.set_targets(target, 2)
 
 

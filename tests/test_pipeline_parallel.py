@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule, seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.partition import SCHEDULES
+from lightning_scale.core.pipeline.partition import SCHEDULES
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins.checkpoint_io import load_from_checkpoint

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.pipeline import PipelineSpec
+from lightning_scale.core.pipeline.spec import PipelineSpec
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint

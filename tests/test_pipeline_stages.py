@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_scale.core.partition import balanced_partition
-from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, prune_to_stage
+from lightning_scale.core.pipeline.partition import balanced_partition
+from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec, prune_to_stage
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec
 
 
@@ -96,7 +96,7 @@ def test_a_spec_naming_missing_modules_is_rejected() -> None:
 
 def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module() -> None:
     """A rank of a V-shaped schedule at pp=2 over 4 stages holds stages 0 and 3: one module, two views."""
-    from lightning_scale.core.pipeline import stage_view
+    from lightning_scale.core.pipeline.spec import stage_view
 
     torch.manual_seed(0)
     full = GPT(GPTConfig(n_layers=4)).eval()
@@ -124,7 +124,7 @@ def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module(
 
 def test_block_timing_waits_for_the_device_around_every_clock_read(monkeypatch: pytest.MonkeyPatch) -> None:
     # Accelerators run kernels asynchronously: a clock read without a device sync times the launches.
-    from lightning_scale.core import block_costs
+    from lightning_scale.core.pipeline import block_costs
 
     synced: list[str] = []
     monkeypatch.setattr(block_costs, "synchronize", lambda device: synced.append(device.type))
@@ -137,7 +137,7 @@ def test_block_timing_waits_for_the_device_around_every_clock_read(monkeypatch: 
 
 
 def test_block_timing_leaves_no_trace_in_the_run() -> None:
-    from lightning_scale.core.block_costs import measure_costs
+    from lightning_scale.core.pipeline.block_costs import measure_costs
 
     model = GPT(GPTConfig(n_layers=2, d_model=16, n_heads=2, block_size=8, dropout=0.1))
     model.train()
@@ -153,7 +153,7 @@ def test_block_timing_leaves_no_trace_in_the_run() -> None:
 
 
 def test_synchronize_uses_the_accelerator_of_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_scale.core.block_costs import synchronize
+    from lightning_scale.core.pipeline.block_costs import synchronize
 
     calls: list[Any] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))

@@ -11,7 +11,7 @@ from helpers.distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_scale.core.process_groups import communication_threads, end_process_groups
+from lightning_scale.core.parallel.process_groups import communication_threads, end_process_groups
 
 
 def _mesh_run_then_end(rank: int, world_size: int) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""A ``torch.save``'d tensor found without ``torch.load`` (``lightning_scale.core.saved_tensor``), and a
+"""A ``torch.save``'d tensor found without ``torch.load`` (``lightning_scale.core.checkpoint.saved_tensor``), and a
 checkpoint load reading large tensors straight into their destinations (``ShardReader``). No process group."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_scale.core.shard_reader as shard_reader
-from lightning_scale.core.checkpoint_format import CheckpointCorruptError, checkpoint_name, verify
-from lightning_scale.core.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
+import lightning_scale.core.checkpoint.shard_reader as shard_reader
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, checkpoint_name, verify
+from lightning_scale.core.checkpoint.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64]
 
@@ -69,7 +69,7 @@ def test_anything_but_one_plain_contiguous_storage_is_left_to_torch_load() -> No
 
 
 def _saved_checkpoint(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    from lightning_scale.core.sharded_checkpoint import save_sharded
+    from lightning_scale.core.checkpoint.sharded import save_sharded
 
     state = {
         "w": _value((300, 257), torch.float32, 1),
@@ -99,7 +99,7 @@ def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_a_load_reads_tensors_into_their_destinations_and_still_hashes_every_byte(tmp_path: Path, direct_reads) -> None:
-    from lightning_scale.core.sharded_checkpoint import load_sharded
+    from lightning_scale.core.checkpoint.sharded import load_sharded
 
     path, state = _saved_checkpoint(tmp_path)
     into = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -131,7 +131,7 @@ def test_a_load_reads_tensors_into_their_destinations_and_still_hashes_every_byt
 def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees_the_file(tmp_path: Path, direct_reads) -> None:
     """Two keys sharing one destination (tied weights): a direct read of one copy could be hashed
     after the other copy overwrote it, hiding a corrupted copy. Both go through buffers instead."""
-    from lightning_scale.core.sharded_checkpoint import load_sharded, save_sharded
+    from lightning_scale.core.checkpoint.sharded import load_sharded, save_sharded
 
     weight = _value((300, 257), torch.float32, 7)
     path = save_sharded(tmp_path / checkpoint_name(1), {"a": weight, "b": weight}, metadata={}, token="t")
@@ -147,7 +147,7 @@ def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees
 
 
 def test_an_archive_the_direct_path_cannot_parse_is_read_through_a_buffer(tmp_path: Path, direct_reads, monkeypatch) -> None:
-    from lightning_scale.core.sharded_checkpoint import load_sharded
+    from lightning_scale.core.checkpoint.sharded import load_sharded
 
     def broken(*args: object) -> None:
         raise TypeError("a pickle of floats")
@@ -163,7 +163,7 @@ def test_a_stream_hash_raises_what_hashing_raised_and_bounds_what_waits() -> Non
     import threading
     import zlib
 
-    from lightning_scale.core.checksums import StreamHash
+    from lightning_scale.core.checkpoint.checksums import StreamHash
 
     chunks = [bytes([i]) * 1000 for i in range(50)]
     digest = StreamHash("crc32", limit=3000)
@@ -193,7 +193,7 @@ def test_a_destination_sliced_by_rows_is_read_into_in_place(tmp_path: Path, dire
     """A resharded load (FSDP's dim-0 shards) reads each saved piece into its rows of the destination."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_scale.core.shard_reader import ShardReader, TensorsOnlyLoadPlanner
+    from lightning_scale.core.checkpoint.shard_reader import ShardReader, TensorsOnlyLoadPlanner
 
     path, state = _saved_checkpoint(tmp_path)
     big = torch.zeros(600, 257)

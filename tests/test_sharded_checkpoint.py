@@ -23,10 +23,10 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_scale  # noqa: F401
-import lightning_scale.core.shard_reader as shard_reader
-from lightning_scale.core.checkpoint_format import CheckpointCorruptError, verify
-from lightning_scale.core.checkpoint_state import decode, encode
-from lightning_scale.core.sharded_checkpoint import read_tensor_metadata
+import lightning_scale.core.checkpoint.shard_reader as shard_reader
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, verify
+from lightning_scale.core.checkpoint.state import decode, encode
+from lightning_scale.core.checkpoint.sharded import read_tensor_metadata
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins import ShardedCheckpointIO
@@ -249,7 +249,7 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
     import fsspec
 
     from lightning_scale.cli.ckpt import main as ckpt_main
-    from lightning_scale.core.checkpoint_format import scan
+    from lightning_scale.core.checkpoint.format import scan
 
     remote = "memory://lightning-api/ckpts"
 

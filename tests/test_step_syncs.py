@@ -20,7 +20,7 @@ NEEDED = {
     # DDP's bucketed gradient all-reduce, started by autograd hooks inside backward.
     ("c10d.allreduce_", "lightning/pytorch/core/module.py:backward"),
     # The global gradient norm for clipping (trainer.gradient_clip_val=1.0), which also decides the step.
-    ("c10d.allreduce_", "core/grad_norm.py:gradient_stats"),
+    ("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats"),
     # The preemption agreement, once per optimizer step.
     ("c10d.allreduce_", "callbacks/preemption.py:_anyone_signalled"),
     (SCALAR_READ, "callbacks/preemption.py:_anyone_signalled"),
@@ -66,7 +66,7 @@ def test_steps_between_logging_steps_run_only_the_collectives_and_syncs_training
             assert not extra, f"rank {rank}, step {step}: {extra}"
             ours = steps[step]
             assert ours[("c10d.allreduce_", "callbacks/preemption.py:_anyone_signalled")] == 1
-            assert ours[("c10d.allreduce_", "core/grad_norm.py:gradient_stats")] == 1
+            assert ours[("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats")] == 1
 
 
 def test_lightnings_own_sigterm_broadcast_is_replaced_not_doubled(default_job_syncs: Any) -> None:

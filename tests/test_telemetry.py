@@ -31,8 +31,8 @@ from lightning_scale.callbacks import (
     StragglerMonitor,
     Throughput,
 )
-from lightning_scale.core.checkpoint_interval import daly_interval, young_interval
-from lightning_scale.core.cost import (
+from lightning_scale.core.checkpoint.interval import daly_interval, young_interval
+from lightning_scale.core.telemetry.cost import (
     OFFERS,
     PRICES,
     CostMeter,
@@ -41,9 +41,9 @@ from lightning_scale.core.cost import (
     price_key,
     price_multiplier,
 )
-from lightning_scale.core.data_parallel import apply_activation_checkpointing
-from lightning_scale.core.health import LossSpikeDetector
-from lightning_scale.core.model_facts import ModelFacts, transformer_shape
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
+from lightning_scale.core.telemetry.health import LossSpikeDetector
+from lightning_scale.core.telemetry.model_facts import ModelFacts, transformer_shape
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.strategies import HybridParallelStrategy
@@ -732,7 +732,7 @@ def test_console_lines_reach_their_log_for_the_runs_log_file(caplog: pytest.LogC
 
 
 class _BusyThenSteadyClock:
-    """``perf_counter`` for :mod:`lightning_scale.core.peaks`: each reading advances ``tick`` seconds,
+    """``perf_counter`` for :mod:`lightning_scale.core.telemetry.peaks`: each reading advances ``tick`` seconds,
     20 times that during the first ``busy`` readings (a busy moment of the machine)."""
 
     def __init__(self, tick: float, busy: int) -> None:
@@ -745,7 +745,7 @@ class _BusyThenSteadyClock:
 
 
 def test_a_busy_moment_does_not_set_the_measured_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_scale.core import peaks
+    from lightning_scale.core.telemetry import peaks
 
     size, tick = 16, 1e-3
     clock = _BusyThenSteadyClock(tick, busy=4)  # the first timing on a busy machine
@@ -756,7 +756,7 @@ def test_a_busy_moment_does_not_set_the_measured_peak(monkeypatch: pytest.Monkey
 
 
 def test_the_peak_is_measured_once_per_machine_and_recorded_for_the_study(tmp_path: Any) -> None:
-    from lightning_scale.core.peaks import machine_key, recorded_peak
+    from lightning_scale.core.telemetry.peaks import machine_key, recorded_peak
 
     path, calls = tmp_path / "study" / "peaks.json", []
 

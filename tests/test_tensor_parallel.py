@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_scale  # noqa: F401  (registers the strategies)
 from lightning_scale.callbacks import GradNormMonitor
-from lightning_scale.core.layout import Layout, resolve_layout
-from lightning_scale.core.tensor_parallel import local_numel, resolve_plan
+from lightning_scale.core.parallel.layout import Layout, resolve_layout
+from lightning_scale.core.parallel.tensor_parallel import local_numel, resolve_plan
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.plugins.checkpoint_io import load_from_checkpoint
@@ -279,7 +279,7 @@ def test_unmodified_module_under_hybrid_matches_lightning_ddp(two: list[dict[str
 def _apply_twice(world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_scale.core.tensor_parallel import apply_tensor_parallel
+    from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel
 
     model = GPT(CONFIG)
     mesh = init_device_mesh("cpu", (world,))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_scale.core.model_facts import ModelFacts, batch_shape
+from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
 
 __all__ = ["Duration", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp",
            "publish", "reduce_sum", "replicas", "should_log"]
@@ -198,7 +198,7 @@ def model_facts(trainer: Trainer, module: LightningModule) -> ModelFacts:
 
 
 def compute_dtype(trainer: Trainer) -> str:
-    """The dtype matmuls run in under ``Trainer(precision=...)`` (a ``core.peaks`` dtype name)."""
+    """The dtype matmuls run in under ``Trainer(precision=...)`` (a ``core.telemetry.peaks`` dtype name)."""
     precision = str(trainer.precision)
     if precision.startswith("bf16"):
         return "bfloat16"

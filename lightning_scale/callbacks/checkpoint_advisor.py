@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.checkpoint_interval import daly_interval, young_interval
+from lightning_scale.core.checkpoint.interval import daly_interval, young_interval
 
 __all__ = ["CheckpointIntervalAdvisor"]
 
@@ -17,7 +17,7 @@ class CheckpointIntervalAdvisor(telemetry.TimedCallback):
     """Log ``checkpoint/save_s`` (the mean time ``trainer.save_checkpoint`` blocked training; an
     async save's staging), ``checkpoint/interval_young_s``, ``checkpoint/interval_daly_s`` and
     ``checkpoint/interval_daly_steps`` (at the recent step time) for a mean time between
-    failures of ``mtbf_hours`` (:mod:`lightning_scale.core.checkpoint_interval`). Nothing is logged
+    failures of ``mtbf_hours`` (:mod:`lightning_scale.core.checkpoint.interval`). Nothing is logged
     before the first save has been timed. Rank-local times, no synchronisation.
 
     Args:

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.cost import CostMeter, device_offers, price_multiplier
+from lightning_scale.core.telemetry.cost import CostMeter, device_offers, price_multiplier
 
 __all__ = ["CostMonitor"]
 
@@ -64,10 +64,10 @@ class CostMonitor(Callback):
 
     Args:
         price_per_device_hour: USD per device-hour, overriding the table
-            (:data:`lightning_scale.core.cost.PRICES`: public on-demand prices per device-hour, each
+            (:data:`lightning_scale.core.telemetry.cost.PRICES`: public on-demand prices per device-hour, each
             dated and sourced, by chip and memory; alternatives in ``OFFERS`` are logged, not used).
         pricing: ``"on_demand"``, ``"spot"``, ``"reserved"`` (rough multipliers,
-            :data:`lightning_scale.core.cost.PRICING`) or a number multiplying the price.
+            :data:`lightning_scale.core.telemetry.cost.PRICING`) or a number multiplying the price.
         target_loss: record the cost and time at which ``monitor`` first reaches this value.
         monitor: the logged metric compared with ``target_loss`` (``val/...`` metrics are checked
             after each validation).

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_scale.core.grad_norm import total_grad_norm
+from lightning_scale.core.precision.grad_norm import total_grad_norm
 from lightning_scale.plugins.precision import MixedPrecision
 
 __all__ = ["GradNormMonitor"]

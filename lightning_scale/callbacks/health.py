@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.health import LossSpikeDetector
+from lightning_scale.core.telemetry.health import LossSpikeDetector
 
 __all__ = ["POLICIES", "NumericalHealth"]
 

@@ -25,8 +25,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_scale.core.checkpoint_format import checkpoint_name
-from lightning_scale.core.storage import AnyPath, as_path
+from lightning_scale.core.checkpoint.format import checkpoint_name
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedCheckpointIO
 
 __all__ = ["Preempted", "PreemptionCheckpoint"]

@@ -8,8 +8,8 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.partition import bubble_fraction
-from lightning_scale.core.pipeline_timing import TimerReader
+from lightning_scale.core.pipeline.partition import bubble_fraction
+from lightning_scale.core.pipeline.timing import TimerReader
 
 __all__ = ["StepTimeBreakdown"]
 
@@ -37,7 +37,7 @@ class StepTimeBreakdown(telemetry.TimedCallback):
       ``backward_one_chunk``, ``backward_weight_one_chunk``, timed inside the schedule): the
       bubble, plus point-to-point waits. ``pipeline/bubble_measured`` is its share of the
       schedule's time; ``pipeline/bubble_predicted`` the schedule's ideal share
-      (``core.partition.bubble_fraction``).
+      (``core.pipeline.partition.bubble_fraction``).
 
     Validation inside ``fit`` is excluded. One all-reduce at each logging step.
 

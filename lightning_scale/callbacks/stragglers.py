@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.pipeline_timing import TimerReader
+from lightning_scale.core.pipeline.timing import TimerReader
 
 __all__ = ["StragglerMonitor"]
 

@@ -13,9 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
-from lightning_scale.core.flops import model_flops_utilization
-from lightning_scale.core.model_facts import FLOPS_HOOK, ModelFacts
-from lightning_scale.core.peaks import PEAK_FILE_ENV, device_peak, machine_key, measured_peak, recorded_peak
+from lightning_scale.core.telemetry.flops import model_flops_utilization
+from lightning_scale.core.telemetry.model_facts import FLOPS_HOOK, ModelFacts
+from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, device_peak, machine_key, measured_peak, recorded_peak
 
 __all__ = ["Throughput"]
 
@@ -38,9 +38,9 @@ class Throughput(telemetry.TimedCallback):
     of a few numbers at each logging step.
 
     MFU is ``FLOPs per token x tokens/s / (devices x peak)``: FLOPs per token from the model
-    (:mod:`lightning_scale.core.model_facts`: a ``flops_per_token(seq_len)`` hook, the analytic
+    (:mod:`lightning_scale.core.telemetry.model_facts`: a ``flops_per_token(seq_len)`` hook, the analytic
     transformer count, or ``FlopCounterMode`` on meta tensors), the peak from the dense datasheet
-    table (:mod:`lightning_scale.core.peaks`) for the dtype the precision computes in. On a CPU the
+    table (:mod:`lightning_scale.core.telemetry.peaks`) for the dtype the precision computes in. On a CPU the
     peak is measured once by a matmul and logged as ``train/peak_flops_measured``. A device or dtype
     the table does not know gets a warning naming ``peak_flops`` and no MFU, never a guessed peak.
     ``train/hfu`` (hardware FLOPs utilisation) is logged as well when activation checkpointing

@@ -12,7 +12,7 @@ checkpoint with no HF model). It streams: one tensor is read from the shards, ga
 written at a time, so memory stays bounded by the largest tensor, not the model.
 
 Every command checks a checkpoint against its manifest before it reads anything else, and reads
-DCP's metadata only through :mod:`lightning_scale.core.dcp_metadata` (no code a checkpoint chose
+DCP's metadata only through :mod:`lightning_scale.core.checkpoint.dcp_metadata` (no code a checkpoint chose
 runs, no file its manifest does not list is opened).
 """
 
@@ -28,21 +28,21 @@ from typing import Any
 
 import torch
 
-from lightning_scale.core.checkpoint_format import (
+from lightning_scale.core.checkpoint.format import (
     MANIFEST,
     CheckpointCorruptError,
     is_shard_file,
     scan,
     verify,
 )
-from lightning_scale.core.shard_reader import SafeFileSystemReader
-from lightning_scale.core.sharded_checkpoint import (
+from lightning_scale.core.checkpoint.shard_reader import SafeFileSystemReader
+from lightning_scale.core.checkpoint.sharded import (
     full_tensors_from,
     read_tensor_metadata,
     tensor_entries,
     verify_distributed,
 )
-from lightning_scale.core.storage import AnyPath, as_path
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 
 __all__ = ["consolidate", "inspect", "main"]
 

@@ -135,7 +135,7 @@ def layout_of(cfg: Mapping[str, Any], strategy_choice: str | None = None) -> dic
     """The job's layout from its config alone: sizes, data-parallel mode and a short name
     (``dp2-tp1-pp1``; ``fsdp2-tp2-pp1``; ``ddp-x2`` for Lightning's own strategies). Raises
     ``ValueError`` when the sizes do not fit the processes."""
-    from lightning_scale.core.layout import resolve_layout
+    from lightning_scale.core.parallel.layout import resolve_layout
 
     world = _world_size(cfg)
     strategy = cfg.get("strategy") or {}
@@ -337,7 +337,7 @@ def _resumable_checkpoint(cfg: DictConfig) -> tuple[str | None, str | None]:
     root = Path(node.get("dirpath") or Path(cfg.run_dir) / "checkpoints")
     if not root.is_dir():
         return None, None
-    from lightning_scale.core.checkpoint_format import latest
+    from lightning_scale.core.checkpoint.format import latest
 
     found = latest(root)  # sharded checkpoints: the newest that verifies
     if found is not None:

@@ -41,8 +41,8 @@ from lightning_scale.cli.results import (
 )
 from lightning_scale.cli.resume import check_checkpoint_path, resume_checkpoint
 from lightning_scale.models import GPTConfig
-from lightning_scale.core.peaks import PEAK_FILE_ENV
-from lightning_scale.core.process_groups import end_process_groups
+from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV
+from lightning_scale.core.parallel.process_groups import end_process_groups
 from lightning_scale.strategies import HybridParallelStrategy
 
 __all__ = ["RESOLVED_CONFIG_ENV", "LayoutNotAdmitted", "build", "main", "planned_data_parallel_size", "preflight", "run"]
@@ -74,7 +74,7 @@ def _device_count(devices: Any, accelerator: str) -> int:
 
 def planned_data_parallel_size(cfg: DictConfig) -> int:
     """Data-parallel ranks the run will have, from the config alone (before any process starts)."""
-    from lightning_scale.core.layout import resolve_layout
+    from lightning_scale.core.parallel.layout import resolve_layout
 
     trainer = cfg.trainer
     devices = _device_count(trainer.get("devices", 1), str(trainer.get("accelerator", "cpu")))
@@ -154,7 +154,7 @@ def _check_gpt_layout(config: GPTConfig, strategy: Any) -> None:
                 f"tensor-parallel rank needs whole heads. Use tensor_parallel in {divisors(kv)}."
             )
     if isinstance(pp, int) and pp > 1:
-        from lightning_scale.core.partition import stages_per_rank
+        from lightning_scale.core.pipeline.partition import stages_per_rank
 
         stages = pp * stages_per_rank(str(strategy.get("schedule", "1f1b")), int(strategy.get("virtual_stages", 2)))
         if stages > config.n_layers:
@@ -213,7 +213,7 @@ def _end_processes(launcher: Any, *, finished: bool) -> None:
     """Leave nothing running when a run ends, however it ends.
 
     The process groups are destroyed and the meshes' references to them released, which joins their
-    worker threads while the interpreter is alive (see :mod:`lightning_scale.core.process_groups`:
+    worker threads while the interpreter is alive (see :mod:`lightning_scale.core.parallel.process_groups`:
     left to the interpreter's exit, a gloo worker aborted the process, status 134, after a run that
     succeeded). Should any still run, :func:`main` ends the process without finalising the
     interpreter. On the rank that started the others (Lightning's launcher) every child is waited

@@ -1,10 +1,22 @@
-"""Math and mechanisms with no Lightning in them.
+"""Math and mechanisms with no Lightning in them, by mechanism.
 
-Only ``torch`` and the standard library may be imported here (``tests/test_layering.py`` checks
-it), so everything in this package can be tested without a Trainer or a process group.
+Only ``torch`` and the standard library may be imported here, so everything in this package can be
+tested without a Trainer (and most of it without a process group). The sub-packages and what each
+may import from the package (``tests/test_layering.py`` enforces both, and that no import cycle
+exists anywhere in ``lightning_scale``):
+
+- :mod:`~lightning_scale.core.checks` (validators that name the rule and the fix) and
+  :mod:`~lightning_scale.core.lr_schedule` (the learning-rate schedule): nothing;
+- :mod:`~lightning_scale.core.parallel` (the mesh layout, tensor and data parallelism, per-block
+  transforms, deferred initialisation, process groups): ``checks``;
+- :mod:`~lightning_scale.core.pipeline` (stage specs, partition, schedules, the runner, the loss,
+  tied weights, timing), :mod:`~lightning_scale.core.checkpoint` (the directory format, DCP reading
+  and writing, checksums, JSON state, storage), :mod:`~lightning_scale.core.precision` (loss
+  scaling, gradient norms over meshes) and :mod:`~lightning_scale.core.telemetry` (FLOPs, model
+  facts, peaks, prices, numerical health): ``checks`` and ``parallel``, never each other.
 """
 
 from lightning_scale.core.checks import divisors, format_choices, suggest_multiples
-from lightning_scale.core.schedules import warmup_cosine
+from lightning_scale.core.lr_schedule import warmup_cosine
 
 __all__ = ["divisors", "format_choices", "suggest_multiples", "warmup_cosine"]

@@ -35,8 +35,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_scale.core.checks import divisors, format_choices
-from lightning_scale.core.pipeline import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
-from lightning_scale.core.tensor_parallel import register_plan
+from lightning_scale.core.pipeline.spec import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
+from lightning_scale.core.parallel.tensor_parallel import register_plan
 
 __all__ = [
     "HFBatches",

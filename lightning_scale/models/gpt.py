@@ -291,7 +291,7 @@ class GPT(nn.Module):
         """Initialise ``module``'s own tensors (one of this model's modules, or the model itself).
 
         The per-module form of :meth:`init_weights`, which deferred initialisation calls for one
-        module at a time (``lightning_scale.core.deferred_init``; Hugging Face models name theirs
+        module at a time (``lightning_scale.core.parallel.deferred_init``; Hugging Face models name theirs
         the same way)."""
         cfg = self.config
         if isinstance(module, nn.Linear):

@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_scale.core.schedules import warmup_cosine
+from lightning_scale.core.lr_schedule import warmup_cosine
 from lightning_scale.models.gpt import GPT, GPTConfig
 from lightning_scale.models.parallel import language_model_loss
 

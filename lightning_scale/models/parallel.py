@@ -15,8 +15,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import divisors
-from lightning_scale.core.pipeline import PipelineSpec, labelled_tokens, register_pipeline_spec
-from lightning_scale.core.tensor_parallel import register_plan
+from lightning_scale.core.pipeline.spec import PipelineSpec, labelled_tokens, register_pipeline_spec
+from lightning_scale.core.parallel.tensor_parallel import register_plan
 from lightning_scale.models.gpt import GPT
 
 __all__ = ["gpt_pipeline_spec", "gpt_tensor_parallel_plan", "language_model_loss"]

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_scale.core.checkpoint_format import CheckpointCorruptError, read_listed
-from lightning_scale.core.checkpoint_state import decode, encode
-from lightning_scale.core.sharded_checkpoint import full_tensors_from
-from lightning_scale.core.storage import AnyPath
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, read_listed
+from lightning_scale.core.checkpoint.state import decode, encode
+from lightning_scale.core.checkpoint.sharded import full_tensors_from
+from lightning_scale.core.checkpoint.storage import AnyPath
 
 __all__ = [
     "EXTRA",
@@ -224,7 +224,7 @@ def unflatten_optimizer(loaded: Mapping[str, Tensor], index: int) -> dict[str, d
 
 
 def json_bytes(doc: Any) -> bytes:
-    """A checkpoint's JSON file: strict JSON (no NaN: :mod:`~lightning_scale.core.checkpoint_state` tags those)."""
+    """A checkpoint's JSON file: strict JSON (no NaN: :mod:`~lightning_scale.core.checkpoint.state` tags those)."""
     return json.dumps(doc, allow_nan=False).encode()
 
 

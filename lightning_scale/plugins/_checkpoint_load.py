@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_scale.core.checkpoint_format import is_shard_file, read_listed, read_manifest, verify
-from lightning_scale.core.checkpoint_state import decode
-from lightning_scale.core.sharded_checkpoint import load_sharded, read_tensor_metadata, verify_distributed
-from lightning_scale.core.storage import AnyPath, as_path, is_url
+from lightning_scale.core.checkpoint.format import is_shard_file, read_listed, read_manifest, verify
+from lightning_scale.core.checkpoint.state import decode
+from lightning_scale.core.checkpoint.sharded import load_sharded, read_tensor_metadata, verify_distributed
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path, is_url
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
     MODEL,

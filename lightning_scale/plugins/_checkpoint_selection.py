@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_scale.core.checkpoint_commit import clear_in_place
-from lightning_scale.core.checkpoint_format import (
+from lightning_scale.core.checkpoint.commit import clear_in_place
+from lightning_scale.core.checkpoint.format import (
     Checkpoint,
     CheckpointCorruptError,
     by_step,
@@ -38,7 +38,7 @@ from lightning_scale.core.checkpoint_format import (
     scan,
     verify,
 )
-from lightning_scale.core.storage import AnyPath, RemotePath, replace, rmtree
+from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, replace, rmtree
 from lightning_scale.plugins._checkpoint_layout import TRAINER_STATE
 
 __all__ = [
@@ -90,7 +90,7 @@ def saved_weights_only(checkpoint: Checkpoint) -> bool:
 
 def candidates(roots: Iterable[AnyPath], *, run_ids: set[str], weights_only: bool) -> list[AnyPath]:
     """The checkpoints under ``roots`` in the order ``"latest"`` tries them (the caller takes the first
-    that verifies; :func:`~lightning_scale.core.checkpoint_format.resume_order`); a warning names each
+    that verifies; :func:`~lightning_scale.core.checkpoint.format.resume_order`); a warning names each
     directory that looks like a checkpoint but is not one."""
     found: list[Checkpoint] = []
     for root in roots:
@@ -107,7 +107,7 @@ def prune(
 ) -> list[AnyPath]:
     """Delete the run's checkpoints in ``root`` (those whose manifest's ``run_id`` is one of ``run_ids``:
     the run's own and the runs it continues) beyond ``keep_last``/``keep_every`` (see
-    :func:`~lightning_scale.core.checkpoint_format.retained`); returns them. Another run's checkpoints
+    :func:`~lightning_scale.core.checkpoint.format.retained`); returns them. Another run's checkpoints
     are never touched, nor broken ones (``"latest"`` warns about those), nor ``protect``, nor the
     run's newest full checkpoint (a weights-only save cannot push out the last one that resumes)."""
     good = []

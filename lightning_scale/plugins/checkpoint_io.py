@@ -23,10 +23,11 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_scale.core.checkpoint_format import CheckpointCorruptError, retained
-from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
-from lightning_scale.core.sharded_checkpoint import StagingWriter, distributed, save_sharded, verify_distributed
-from lightning_scale.core.storage import AnyPath, as_path
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, retained
+from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum
+from lightning_scale.core.checkpoint.sharded import StagingWriter, save_sharded, verify_distributed
+from lightning_scale.core.parallel.groups import distributed
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
     TRAINER_STATE,
@@ -116,8 +117,8 @@ class ShardedCheckpointIO(CheckpointIO):
     checkpoint. Saving again under the same name (``last``) deletes the old one first.
 
     Loading runs no code a checkpoint chose and reads only what its manifest vouches for:
-    non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint_state`), DCP's own metadata is
-    read by an unpickler that resolves only DCP's classes (:mod:`lightning_scale.core.dcp_metadata`),
+    non-tensor state is JSON (:mod:`lightning_scale.core.checkpoint.state`), DCP's own metadata is
+    read by an unpickler that resolves only DCP's classes (:mod:`lightning_scale.core.checkpoint.dcp_metadata`),
     a pickled item is refused, and every file read must be listed in the manifest, with its checksum,
     inside the checkpoint directory.
     """
@@ -181,7 +182,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """The checkpoint this run loaded; retention and removal never delete it."""
 
     def as_path(self, path: Any) -> AnyPath:
-        """``path`` as a local ``Path`` or, for a URL, a :class:`~lightning_scale.core.storage.RemotePath`."""
+        """``path`` as a local ``Path`` or, for a URL, a :class:`~lightning_scale.core.checkpoint.storage.RemotePath`."""
         return as_path(path, self.fsspec_options)
 
     # ------------------------------------------------------------------ collectives

@@ -4,14 +4,14 @@ What Lightning's own plugins leave out, and this one does:
 
 - **One decision, one collective.** After the backward (and the ``on_before_optimizer_step``
   hooks) the global gradient norm and an overflow flag come from a single all-reduce over every
-  rank of every mesh dimension (``lightning_scale.core.grad_norm.gradient_stats``). Clipping,
+  rank of every mesh dimension (``lightning_scale.core.precision.grad_norm.gradient_stats``). Clipping,
   ``train/grad_norm`` and the fp16 overflow decision all use it, so every rank skips the same steps
   and holds the same scale. (torch's ``ShardedGradScaler`` reduces the flag over one group only.)
 - **Skipped means skipped.** On an overflow neither the optimizer nor the step-interval LR
   schedulers step (Lightning steps the scheduler anyway: Lightning #5558); the schedule counts
   good optimizer steps.
 - **A policy at the bottom.** Hysteresis, a minimum scale and what to do when fp16 overflows even
-  there (``lightning_scale.core.loss_scaler``).
+  there (``lightning_scale.core.precision.loss_scaler``).
 - **The same under a pipeline.** ``HybridParallelStrategy`` runs its schedules under this plugin's
   autocast and multiplies each micro-batch loss by :attr:`MixedPrecision.loss_scale`; with FSDP2
   data parallelism the mixed modes are FSDP2's own ``MixedPrecisionPolicy`` instead of autocast.
@@ -36,7 +36,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.grad_norm import (
+from lightning_scale.core.precision.grad_norm import (
     GradientScope,
     GradientStats,
     clip_grads_by_value_,
@@ -44,7 +44,7 @@ from lightning_scale.core.grad_norm import (
     reduce_partial_grads_,
     scale_grads_,
 )
-from lightning_scale.core.loss_scaler import DynamicLossScaler
+from lightning_scale.core.precision.loss_scaler import DynamicLossScaler
 from lightning_scale.plugins._lr_schedulers import hold_lr_schedulers_after_skipped_steps
 
 __all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision"]
@@ -94,7 +94,7 @@ class MixedPrecision(Precision):
             optimizer state stay fp32.
         device: the device type autocast runs on (``"cuda"``, ``"cpu"``, ...); default: the model's.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-            min_scale_policy: the fp16 loss scaler (``lightning_scale.core.loss_scaler``); fp16 only.
+            min_scale_policy: the fp16 loss scaler (``lightning_scale.core.precision.loss_scaler``); fp16 only.
             Defaults ``2**16``, ``2.0``, ``0.5``, ``2000``, ``1``, ``1.0``, ``"raise"``.
         nonfinite_grads: bf16 and fp32 only: ``"skip"`` a step whose gradients are non-finite
             (anywhere in the mesh; neither optimizer nor step-wise LR schedulers step), ``"raise"``

@@ -32,9 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_scale.core.full_state import load_full_model_state, load_full_optimizer_state
-from lightning_scale.core.layout import Layout
-from lightning_scale.core.storage import RemotePath
+from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.checkpoint.storage import RemotePath
 from lightning_scale.plugins._rng import restore_rng_states
 from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
 

@@ -1,5 +1,5 @@
 """Models built on the meta device: where ``HybridParallelStrategy`` creates them, and how each rank
-materialises its part once the model is cut and sharded (``lightning_scale.core.deferred_init``)."""
+materialises its part once the model is cut and sharded (``lightning_scale.core.parallel.deferred_init``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_scale.core.deferred_init import DeferredInit
-from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.core.parallel.deferred_init import DeferredInit
+from lightning_scale.core.pipeline.runner import PipelineRunner
 
 __all__ = ["DeferredModules"]
 
@@ -44,7 +44,7 @@ class DeferredModules:
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Modules created here (``configure_model``, ``trainer.init_module()``) go on the meta device
         unless ``empty_init=False``: ``setup`` cuts and shards them, then allocates and initialises
-        each rank's part (``lightning_scale.core.deferred_init`` says how and with which hooks).
+        each rank's part (``lightning_scale.core.parallel.deferred_init`` says how and with which hooks).
         Weights loaded into them here would be lost: load them with ``ckpt_path``."""
         device = self.root_device if empty_init is False else torch.device("meta")
         with device, self.precision_plugin.tensor_init_context():

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.data_parallel import ACTIVATION_CHECKPOINTING, COMPRESSIONS, DATA_PARALLEL_MODES
-from lightning_scale.core.layout import Layout, check_size
-from lightning_scale.core.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
+from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
+from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
+from lightning_scale.core.parallel.layout import Layout, check_size
+from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 
 __all__ = ["LOSS_STAGES", "PARTITIONS", "ParallelOptions", "loss_names"]
 

@@ -24,13 +24,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_scale.core.data_parallel import apply_activation_checkpointing, apply_data_parallel, compile_blocks
-from lightning_scale.core.layout import Layout
-from lightning_scale.core.model_facts import ModelFacts
-from lightning_scale.core.partition import stage_ranks
-from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec
-from lightning_scale.core.pipeline_runner import PipelineRunner
-from lightning_scale.core.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing, compile_blocks
+from lightning_scale.core.parallel.data_parallel import apply_data_parallel
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.core.pipeline.partition import stage_ranks
+from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec
+from lightning_scale.core.pipeline.runner import PipelineRunner
+from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, pipeline_spec_of
 
@@ -65,7 +66,7 @@ def tensor_parallel_plan(module: LightningModule, tp: int, options: ParallelOpti
         raise ValueError(
             f"tensor_parallel={tp} needs a tensor-parallel plan, but {type(module).__name__} defines no "
             f"`{TENSOR_PARALLEL_PLAN_HOOK}(tp_size, *, sequence_parallel, loss_parallel)` method and contains no "
-            "module of a registered architecture (lightning_scale.core.tensor_parallel.register_plan). "
+            "module of a registered architecture (lightning_scale.core.parallel.tensor_parallel.register_plan). "
             "Add the hook, or use tensor_parallel=1."
         )
     return plan
@@ -141,7 +142,7 @@ def parallelize(
         raise ValueError(
             f"activation_checkpointing={options.activation_checkpointing!r} and compile={options.compile} act on "
             f"the model's blocks, but {type(module).__name__} declares none: define `{PIPELINE_SPEC_HOOK}(self)` "
-            "(it lists the blocks) or register the architecture with lightning_scale.core.pipeline.register_pipeline_spec."
+            "(it lists the blocks) or register the architecture with lightning_scale.core.pipeline.spec.register_pipeline_spec."
         )
     # The plan is checked against the whole model (every key must match a module), then applied to
     # the modules this rank kept.

@@ -1,6 +1,6 @@
 """What a LightningModule tells the pipeline (its hooks), and what the pipeline tells the user.
 
-The mechanism (stages, schedules, tied weights, timing) is ``lightning_scale.core.pipeline_runner``;
+The mechanism (stages, schedules, tied weights, timing) is ``lightning_scale.core.pipeline.runner``;
 this module is the Lightning side: the ``pipeline_spec`` and ``pipeline_batch`` hooks, the batch
 used to time blocks for ``partition="by_cost"``, and the set-up checks and warning.
 """
@@ -16,8 +16,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_scale.core.pipeline import PipelineSpec, find_registered_spec, with_registered_forward
-from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec, with_registered_forward
+from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.integrations.huggingface import unsupported_pipeline_family
 
 __all__ = [
@@ -53,7 +53,7 @@ def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
 
     A hook's spec for a module that is itself a registered architecture (a user's own cut of a
     Hugging Face decoder) runs its stages with the architecture's stage forward
-    (:func:`~lightning_scale.core.pipeline.with_registered_forward`)."""
+    (:func:`~lightning_scale.core.pipeline.spec.with_registered_forward`)."""
     hook = getattr(module, PIPELINE_SPEC_HOOK, None)
     found = hook() if callable(hook) else find_registered_spec(module)
     if found is None:
@@ -62,7 +62,7 @@ def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
             f"pipeline_parallel > 1 needs to know where {type(module).__name__} may be cut, but "
             f"{why + ', not this one' if why else 'it declares no blocks'}: define `{PIPELINE_SPEC_HOOK}(self) -> "
             "(root_module_name, PipelineSpec(blocks=..., first=..., last=..., loss_fn=...))` or register the "
-            "architecture with lightning_scale.core.pipeline.register_pipeline_spec."
+            "architecture with lightning_scale.core.pipeline.spec.register_pipeline_spec."
         )
     if callable(hook):
         root_name, spec = found

@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_scale.core.grad_norm import GradientScope, gradient_stats, reduce_partial_grads_
-from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.core.precision.grad_norm import GradientScope, gradient_stats, reduce_partial_grads_
+from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.plugins._stock import as_mesh_precision
 from lightning_scale.plugins.precision import MixedPrecision
 

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
-from lightning_scale.core.layout import Layout
-from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.strategies import _pipeline
 from lightning_scale.strategies._options import ParallelOptions
 from lightning_scale.strategies._pipeline import pipeline_batch

@@ -24,11 +24,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_scale.core.data_parallel import check_not_wrapped, wrap_ddp
-from lightning_scale.core.deferred_init import DeferredInit
-from lightning_scale.core.layout import Layout, init_layout_mesh, resolve_layout
-from lightning_scale.core.model_facts import ModelFacts
-from lightning_scale.core.pipeline_runner import PipelineRunner
+from lightning_scale.core.parallel.data_parallel import check_not_wrapped, wrap_ddp
+from lightning_scale.core.parallel.deferred_init import DeferredInit
+from lightning_scale.core.parallel.layout import Layout, init_layout_mesh, resolve_layout
+from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.strategies._checkpoint_hooks import ShardedCheckpoints, elastic_attempt_store
 from lightning_scale.strategies._collectives import WorldCollectives
 from lightning_scale.strategies._deferred import DeferredModules
@@ -56,7 +56,7 @@ class HybridParallelStrategy(
     sampler). Applied in this order: pipeline stage, tensor parallel, activation checkpointing,
     ``torch.compile``, data parallel. Tensor parallelism is torch's DTensor ``parallelize_module``
     with a plan from the LightningModule's ``tensor_parallel_plan`` hook or from the registry of
-    known architectures (``lightning_scale.core.tensor_parallel.register_plan``; the reference GPT
+    known architectures (``lightning_scale.core.parallel.tensor_parallel.register_plan``; the reference GPT
     is registered). The sampler Lightning injects splits data over ``dp`` only.
 
     Args:
@@ -206,7 +206,7 @@ class HybridParallelStrategy(
     @property
     def model_facts(self) -> ModelFacts:
         """Parameter counts and FLOPs per token of the whole model, taken at set-up before it was cut
-        (the same on every rank at every layout; :mod:`lightning_scale.core.model_facts`)."""
+        (the same on every rank at every layout; :mod:`lightning_scale.core.telemetry.model_facts`)."""
         if self._model_facts is None:
             raise RuntimeError("The model's facts are known once the strategy set it up (Trainer.fit/validate/...).")
         return self._model_facts

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_scale.core.pipeline import PipelineSpec
+from lightning_scale.core.pipeline.spec import PipelineSpec
 
 __all__ = ["BlockStack", "ListStack", "StackModule", "TinyViT", "ViTModule", "lm_loss"]
 

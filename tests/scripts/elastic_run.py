@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.checkpoint_format import verify
+from lightning_scale.core.checkpoint.format import verify
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins import ShardedCheckpointIO

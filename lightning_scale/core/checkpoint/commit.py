@@ -6,7 +6,7 @@ Each process writing a checkpoint writes its files into a hidden staging sibling
 everybody's entries (:func:`write_manifest`) and :func:`commit` renames the directory into place,
 so a crash at any moment leaves either no directory under the name or a complete one. Where a
 directory cannot be renamed (object stores) the checkpoint is written in place and its manifest,
-one object written last, commits it. Reading and checking one: :mod:`lightning_scale.core.checkpoint_format`.
+one object written last, commits it. Reading and checking one: :mod:`lightning_scale.core.checkpoint.format`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from lightning_scale.core.checkpoint_format import (
+from lightning_scale.core.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointCorruptError,
 )
-from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum, file_checksum, thread_pool
-from lightning_scale.core.storage import (
+from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, file_checksum, thread_pool
+from lightning_scale.core.checkpoint.storage import (
     AnyPath,
     RemotePath,
     as_path,

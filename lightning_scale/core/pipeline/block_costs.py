@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_scale.core.deferred_init import has_meta_tensors
-from lightning_scale.core.pipeline import PipelineSpec
+from lightning_scale.core.parallel.deferred_init import has_meta_tensors
+from lightning_scale.core.pipeline.spec import PipelineSpec
 
 __all__ = ["measure_costs", "synchronize"]
 

@@ -6,7 +6,7 @@ the optimizer step. A step whose gradients overflowed (a non-finite global gradi
 skipped and the scale backs off; after ``growth_interval`` good steps in a row it grows again.
 
 :class:`DynamicLossScaler` only decides: the caller measures the overflow once for the whole
-model (``lightning_scale.core.grad_norm.gradient_stats``: one collective over every rank of every
+model (``lightning_scale.core.precision.grad_norm.gradient_stats``: one collective over every rank of every
 mesh dimension), so every rank feeds the same sequence of overflows in and holds the same state.
 
 Rules, for ``update(overflow)``:

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from lightning_scale.core.partition import SCHEDULES, V_SHAPED
+from lightning_scale.core.pipeline.partition import SCHEDULES, V_SHAPED
 
 __all__ = ["GradSyncStage", "build_schedule", "forward_only_schedule", "make_stages"]
 

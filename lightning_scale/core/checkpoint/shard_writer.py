@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_scale.core.checkpoint_format import is_shard_file
-from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum, new_digest
-from lightning_scale.core.shard_reader import dcp_filesystem, dcp_id
-from lightning_scale.core.storage import RemotePath, as_path
+from lightning_scale.core.checkpoint.format import is_shard_file
+from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, new_digest
+from lightning_scale.core.checkpoint.shard_reader import dcp_filesystem, dcp_id
+from lightning_scale.core.checkpoint.storage import RemotePath, as_path
 
 __all__ = ["StagingWriter"]
 

@@ -9,7 +9,7 @@ FLOPs per token, in order of preference:
 1. the module's hook ``flops_per_token(seq_len) -> float`` (training FLOPs, forward and backward,
    per token at that sequence length). It is called during training, after the model is cut:
    compute it from the model's config or from these facts, not from the module's parameters;
-2. the analytic count of :mod:`lightning_scale.core.flops` for a decoder transformer whose
+2. the analytic count of :mod:`lightning_scale.core.telemetry.flops` for a decoder transformer whose
    config gives layers, heads and width (the reference GPT's ``GPTConfig``, Hugging Face configs);
    mixture-of-experts configs are left out (only the routed experts' share of ``N`` runs);
 3. a count by ``torch.utils.flop_counter.FlopCounterMode`` of one training step (``training_step``,
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_scale.core.data_parallel import apply_activation_checkpointing
-from lightning_scale.core.flops import matmul_parameters, measured_flops_per_token, transformer_flops_per_token
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
+from lightning_scale.core.telemetry.flops import matmul_parameters, measured_flops_per_token, transformer_flops_per_token
 
 __all__ = [
     "FLOPS_HOOK",

@@ -1,5 +1,5 @@
-"""Data parallelism over a model that tensor and pipeline parallelism may already have cut, and
-the per-block transforms applied before it (activation checkpointing, ``torch.compile``).
+"""Data parallelism over a model that tensor and pipeline parallelism may already have cut (the
+per-block transforms applied before it are in :mod:`lightning_scale.core.parallel.blocks`).
 
 Modes (``DATA_PARALLEL_MODES``), all torch's own:
 
@@ -23,8 +23,7 @@ those). With pipeline parallelism every micro-batch of a step reuses the gathere
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,27 +31,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.checkpoint import checkpoint
 
 from lightning_scale.core.checks import format_choices
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTING",
     "COMPRESSIONS",
     "DATA_PARALLEL_MODES",
-    "apply_activation_checkpointing",
     "apply_data_parallel",
     "has_persistent_buffers",
     "bf16_all_reduce_hook",
     "check_not_wrapped",
-    "compile_blocks",
     "register_compression",
     "wrap_ddp",
 ]
 
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 def check_not_wrapped(module: nn.Module) -> None:
@@ -72,42 +66,6 @@ def check_not_wrapped(module: nn.Module) -> None:
                 f"Modules {wrapped[:3]} are already wrapped in {label}. Pass the bare model: the strategy applies "
                 "tensor, pipeline and data parallelism itself (choose the mode with data_parallel_mode)."
             )
-
-
-def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every: int = 2) -> int:
-    """Recompute blocks' activations in backward instead of keeping them; returns how many blocks.
-
-    ``full``: every block; ``selective``: every ``every``-th block (the 1st, ``every+1``-th, ...).
-    Only ``forward`` is wrapped (non-reentrant ``torch.utils.checkpoint``): module names, hooks and
-    parameters are unchanged, so state dicts and tensor/data-parallel hooks see the same model.
-    """
-    if mode not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(
-            f"activation_checkpointing={mode!r} is not one of {format_choices(ACTIVATION_CHECKPOINTING)}."
-        )
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"activation_checkpointing_every={every!r} must be a positive integer.")
-    if mode == "none":
-        return 0
-    chosen = list(blocks) if mode == "full" else list(blocks)[::every]
-    for block in chosen:
-        if getattr(block, "_lightning_scale_checkpointed", False):
-            continue
-        block.forward = functools.partial(_checkpointed, block.forward)  # type: ignore[method-assign]
-        block._lightning_scale_checkpointed = True  # type: ignore[attr-defined]
-    return len(chosen)
-
-
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def compile_blocks(blocks: Sequence[nn.Module], **compile_kwargs: Any) -> None:
-    """``torch.compile`` each block in place (``Module.compile``: names and parameters unchanged)."""
-    for block in blocks:
-        block.compile(**compile_kwargs)
 
 
 def apply_data_parallel(

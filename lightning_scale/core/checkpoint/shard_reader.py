@@ -2,7 +2,7 @@
 
 - :class:`SafeFileSystemReader`: DCP's reader (its fsspec one for a URL) whose ``.metadata`` is read
   only once the manifest vouches for it, by an unpickler that resolves only DCP's own classes, and
-  checked before DCP uses it (:mod:`lightning_scale.core.dcp_metadata`: every file it points to
+  checked before DCP uses it (:mod:`lightning_scale.core.checkpoint.dcp_metadata`: every file it points to
   listed in the manifest, no pickled item); :class:`TensorsOnlyLoadPlanner` refuses pickled items
   too, so a load unpickles nothing a checkpoint chose and opens no file its manifest does not list.
 - :class:`ShardReader`: DCP's ``read_data`` (one ``torch.load`` per item from a file view, each
@@ -32,11 +32,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lightning_scale.core.checkpoint_format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
-from lightning_scale.core.checksums import StreamHash, thread_pool
-from lightning_scale.core.dcp_metadata import METADATA, read_metadata
-from lightning_scale.core.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
-from lightning_scale.core.storage import AnyPath, RemotePath, as_path
+from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
+from lightning_scale.core.checkpoint.checksums import StreamHash, thread_pool
+from lightning_scale.core.checkpoint.dcp_metadata import METADATA, read_metadata
+from lightning_scale.core.checkpoint.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
+from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
 
 __all__ = ["SafeFileSystemReader", "ShardReader", "TensorsOnlyLoadPlanner", "dcp_filesystem", "dcp_id"]
 
@@ -55,7 +55,7 @@ def dcp_id(path: AnyPath) -> Any:
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` (its fsspec reader for a URL) whose metadata is read by
-    :func:`~lightning_scale.core.dcp_metadata.read_metadata`: only once the manifest vouches for it,
+    :func:`~lightning_scale.core.checkpoint.dcp_metadata.read_metadata`: only once the manifest vouches for it,
     by an unpickler that resolves nothing but DCP's own classes, and checked (every file it points
     to listed in the manifest, no pickled item) before DCP sees it. ``metadata``: read that way
     already (e.g. for many loads from one checkpoint); ``manifest``: the checkpoint's, read already."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_scale.core.pipeline import IGNORE_INDEX
+from lightning_scale.core.pipeline.spec import IGNORE_INDEX
 
 __all__ = ["MicroBatchLoss", "split_microbatches", "tensors_of"]
 
@@ -90,7 +90,7 @@ class MicroBatchLoss:
                     f"The batch's target holds {IGNORE_INDEX} (positions a cross entropy leaves out of its mean), and "
                     "the pipeline spec does not say how many positions its loss_fn averages over, so the micro-batches "
                     "cannot be weighted to give the whole batch's loss. Give the spec "
-                    "`loss_tokens=lightning_scale.core.pipeline.labelled_tokens` (or your own count of the positions "
+                    "`loss_tokens=lightning_scale.core.pipeline.spec.labelled_tokens` (or your own count of the positions "
                     "loss_fn averages over)."
                 )
             self.weights = [1.0 / n] * n

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from lightning_scale.core.peaks import chip_of
+from lightning_scale.core.telemetry.peaks import chip_of
 
 __all__ = ["OFFERS", "PRICES", "PRICING", "CostMeter", "Price", "device_offers", "device_price", "price_key",
            "price_multiplier"]  # fmt: skip

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_scale.core.checkpoint_format import MANIFEST, CheckpointCorruptError, listed_entries, read_listed
-from lightning_scale.core.storage import AnyPath, as_path
+from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, listed_entries, read_listed
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 
 __all__ = ["METADATA", "check_metadata", "read_metadata", "unpickle_metadata"]
 

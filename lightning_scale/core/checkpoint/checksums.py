@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lightning_scale.core.storage import AnyPath, RemotePath
+from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath
 
 __all__ = ["CHECKSUMS", "DEFAULT_CHECKSUM", "StreamHash", "check_checksum", "file_checksum", "new_digest", "thread_pool"]
 

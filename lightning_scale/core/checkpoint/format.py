@@ -3,14 +3,14 @@ checkpoints. No Lightning, no process group.
 
 A checkpoint is a directory such as ``checkpoints/step-000123/`` holding the shard files (DCP's
 ``.distcp`` files and ``.metadata``, or anything else) and ``manifest.json``, written last
-(:mod:`lightning_scale.core.checkpoint_commit` writes and commits one); a directory without a valid
+(:mod:`lightning_scale.core.checkpoint.commit` writes and commits one); a directory without a valid
 manifest is not a checkpoint. :func:`verify` checks every file the manifest lists (inside the
 directory, present, same size, same checksum) and names the first that is not;
 :func:`read_listed` reads a small file only if the manifest vouches for it, checking the bytes it
 returns. :func:`latest` is what ``"latest"`` names under a root (:func:`resume_order`: the run's
 own newest, else the most recently committed), warning about each broken one it passes.
 
-Each manifest entry names its checksum algorithm as its key (:mod:`lightning_scale.core.checksums`);
+Each manifest entry names its checksum algorithm as its key (:mod:`lightning_scale.core.checkpoint.checksums`);
 version 1 manifests (SHA-256 only) still verify.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from lightning_scale.core.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_checksum, new_digest
-from lightning_scale.core.storage import AnyPath, RemotePath, as_path
+from lightning_scale.core.checkpoint.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_checksum, new_digest
+from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
 
 __all__ = [
     "CHECKSUMS",

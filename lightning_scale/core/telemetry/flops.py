@@ -24,7 +24,7 @@ tensors its backward needs are back, so a block's last linear layer is not recom
 block of the reference GPT checkpointed, ``FlopCounterMode`` counts hardware/model = 1.242 (tiny,
 256 tokens), 1.177 (gpt2-124m, 1024), 1.265 (7b, 4096), where the textbook figure gives 1.333.
 The ``Throughput`` callback counts the recomputation instead
-(:meth:`lightning_scale.core.model_facts.ModelFacts.measure_recomputation`).
+(:meth:`lightning_scale.core.telemetry.model_facts.ModelFacts.measure_recomputation`).
 """
 
 from __future__ import annotations

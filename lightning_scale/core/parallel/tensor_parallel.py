@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.modules import Matcher, check_matcher, outermost_registered, tied_parameter_groups
+from lightning_scale.core.parallel.modules import Matcher, check_matcher, outermost_registered, tied_parameter_groups
 
 __all__ = [
     "STYLE_NAMES",

@@ -54,7 +54,7 @@ class TiedCopies:
     """This rank's copies of weights that other pipeline ranks hold too.
 
     Args:
-        root: the pruned module of this rank (after :func:`~lightning_scale.core.pipeline.prune_to_stage`).
+        root: the pruned module of this rank (after :func:`~lightning_scale.core.pipeline.spec.prune_to_stage`).
         tied: the names of each shared parameter, found on the whole model before pruning.
         mesh: the full device mesh; its ``"pp"`` dimension is the pipeline.
         device: where the bookkeeping collective runs.

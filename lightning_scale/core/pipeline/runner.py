@@ -3,10 +3,10 @@
 The model is pruned in place to the union of the rank's stages, so its state dict and optimizer
 hold exactly the parameters this rank trains, under their original names. With several stages per
 rank (interleaved and V-shaped schedules) each stage runs through a
-:func:`~lightning_scale.core.pipeline.stage_view` of that module.
+:func:`~lightning_scale.core.pipeline.spec.stage_view` of that module.
 
 The batch's loss is what the spec's ``loss_fn`` gives on the whole batch: each micro-batch's loss is
-weighted by its share of the batch's positions (:mod:`lightning_scale.core.pipeline_loss`). Further
+weighted by its share of the batch's positions (:mod:`lightning_scale.core.pipeline.loss`). Further
 scaling is the caller's: torch's
 ``scale_grads`` would divide by the micro-batch count only, turning gradient accumulation into an
 average, so each weighted loss is multiplied by the ``scale`` passed to
@@ -28,9 +28,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_scale.core.block_costs import measure_costs
-from lightning_scale.core.modules import tied_parameter_groups
-from lightning_scale.core.partition import (
+from lightning_scale.core.pipeline.block_costs import measure_costs
+from lightning_scale.core.parallel.modules import tied_parameter_groups
+from lightning_scale.core.pipeline.partition import (
     V_SHAPED,
     Partition,
     balanced_partition,
@@ -40,7 +40,7 @@ from lightning_scale.core.partition import (
     partition_by_layers,
     stage_ranks,
 )
-from lightning_scale.core.pipeline import (
+from lightning_scale.core.pipeline.spec import (
     PipelineSpec,
     StageForward,
     prune_to_stage,
@@ -50,10 +50,10 @@ from lightning_scale.core.pipeline import (
     undeclared_buffers,
     undeclared_parameters,
 )
-from lightning_scale.core.pipeline_loss import MicroBatchLoss
-from lightning_scale.core.pipeline_schedules import build_schedule, forward_only_schedule, make_stages
-from lightning_scale.core.pipeline_ties import TiedCopies, check_ties_for_data_parallel
-from lightning_scale.core.pipeline_timing import StageTimer
+from lightning_scale.core.pipeline.loss import MicroBatchLoss
+from lightning_scale.core.pipeline.schedules import build_schedule, forward_only_schedule, make_stages
+from lightning_scale.core.pipeline.ties import TiedCopies, check_ties_for_data_parallel
+from lightning_scale.core.pipeline.timing import StageTimer
 
 __all__ = ["PipelineRunner"]
 
@@ -79,7 +79,7 @@ class PipelineRunner:
         root: the module whose ``forward`` runs a stage; pruned in place.
         spec: where ``root`` may be cut, and the loss.
         mesh: the device mesh; its ``"pp"`` dimension is the pipeline, ``"dp"`` the replicas.
-        schedule, microbatches, virtual_stages: torch's schedule, by name (``core.partition.SCHEDULES``).
+        schedule, microbatches, virtual_stages: torch's schedule, by name (``core.pipeline.partition.SCHEDULES``).
         partition: ``by_layers``, ``by_params`` or ``by_cost`` (needs ``example_batch``).
         example_batch: ``(inputs, target)`` to time blocks on for ``by_cost``.
 
@@ -150,7 +150,7 @@ class PipelineRunner:
         self.batches_described = False
         """Whether the strategy has said how it reads this runner's batches (it does so once)."""
         self.timer = StageTimer(device)
-        """Compute and step time of the training schedule on this rank (``core.pipeline_timing``)."""
+        """Compute and step time of the training schedule on this rank (``core.pipeline.timing``)."""
 
     def describe(self) -> str:
         """One line for the start-up log: stages, partition, costs and the predicted bubble."""

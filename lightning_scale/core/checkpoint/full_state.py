@@ -2,7 +2,7 @@
 parallelised model and its optimizer: each rank copies out what it holds, with no communication.
 
 Saving never gathers the whole state: ``HybridParallelStrategy`` writes sharded checkpoints
-(:mod:`lightning_scale.core.sharded_checkpoint`).
+(:mod:`lightning_scale.core.checkpoint.sharded`).
 """
 
 from __future__ import annotations

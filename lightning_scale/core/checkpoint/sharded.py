@@ -1,5 +1,5 @@
 """Every rank saves and loads only what it holds, with ``torch.distributed.checkpoint`` (DCP), in the
-committed, verifiable directory format of :mod:`lightning_scale.core.checkpoint_format`.
+committed, verifiable directory format of :mod:`lightning_scale.core.checkpoint.format`.
 
 Save: every rank writes its shards with DCP's ``FileSystemWriter`` into the staging directory, then
 its own small files (JSON), and hashes what it wrote (DCP names its files ``__<rank>_<n>.distcp``;
@@ -11,7 +11,7 @@ resharding to whatever layout they describe.
 
 Safety: DCP's reader unpickles ``.metadata`` and any non-tensor item; here the metadata is read
 only once the manifest vouches for it, by an unpickler that resolves nothing but DCP's own classes,
-and checked before use (:mod:`lightning_scale.core.dcp_metadata`): a non-tensor item is refused and
+and checked before use (:mod:`lightning_scale.core.checkpoint.dcp_metadata`): a non-tensor item is refused and
 every file it names must be listed in the manifest. Loading a checkpoint runs no code its author
 chose and opens no file its manifest does not vouch for.
 
@@ -31,18 +31,19 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_scale.core.checkpoint_commit import clear_in_place, commit, file_entries, staging_dir, write_manifest
-from lightning_scale.core.checkpoint_format import CheckpointCorruptError, is_shard_file, read_manifest, verify
-from lightning_scale.core.checksums import DEFAULT_CHECKSUM, check_checksum
-from lightning_scale.core.dcp_metadata import METADATA, read_metadata
-from lightning_scale.core.shard_reader import (
+from lightning_scale.core.checkpoint.commit import clear_in_place, commit, file_entries, staging_dir, write_manifest
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, is_shard_file, read_manifest, verify
+from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum
+from lightning_scale.core.checkpoint.dcp_metadata import METADATA, read_metadata
+from lightning_scale.core.checkpoint.shard_reader import (
     SafeFileSystemReader,
     ShardReader,
     TensorsOnlyLoadPlanner,
     dcp_id,
 )
-from lightning_scale.core.shard_writer import StagingWriter
-from lightning_scale.core.storage import AnyPath, as_path, rmtree, write_durable
+from lightning_scale.core.checkpoint.shard_writer import StagingWriter
+from lightning_scale.core.parallel.groups import distributed, gather_objects, group_rank, group_size
+from lightning_scale.core.checkpoint.storage import AnyPath, as_path, rmtree, write_durable
 
 __all__ = [
     "SafeFileSystemReader",
@@ -58,30 +59,9 @@ __all__ = [
     "verify_distributed",
 ]
 
-def distributed(group: dist.ProcessGroup | None) -> bool:
-    """True when ``group`` (None: the world) spans more than this process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if distributed(group) else 0
-
-
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if distributed(group) else 1
-
-
-def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if not distributed(group):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def read_tensor_metadata(path: AnyPath, manifest: Mapping[str, Any] | None = None) -> dict[str, TensorStorageMetadata]:
     """Every tensor a DCP checkpoint holds: its key, global size and dtype (``.properties.dtype``),
-    from its metadata read safely (:func:`~lightning_scale.core.dcp_metadata.read_metadata`;
+    from its metadata read safely (:func:`~lightning_scale.core.checkpoint.dcp_metadata.read_metadata`;
     ``manifest``: the checkpoint's, read already)."""
     return tensor_entries(SafeFileSystemReader(path, manifest=manifest).read_metadata())
 
@@ -119,9 +99,9 @@ def save_sharded(
     staging = staging_dir(final, token)
     multi = distributed(group)
     if staging == final:  # written in place (object stores): an older checkpoint of this name goes first,
-        if _rank(group) == 0:
+        if group_rank(group) == 0:
             clear_in_place(final)
-        _gather(None, group)  # and nobody writes before it is gone
+        gather_objects(None, group)  # and nobody writes before it is gone
     staging.mkdir(parents=True, exist_ok=True)
     if writer is None:
         writer = StagingWriter(thread_count=thread_count, cache=False, checksum=checksum)
@@ -133,12 +113,12 @@ def save_sharded(
         )
     except CheckpointException as err:
         # DCP gathers every rank's write result and raises on all of them (a BaseException: made an OSError).
-        if _rank(group) == 0:
+        if group_rank(group) == 0:
             rmtree(staging)
         failures = "; ".join(f"rank {r}: {_describe(e)}" for r, e in sorted(err.failures.items()))
         raise OSError(f"Saving the checkpoint {final} failed; earlier checkpoints are untouched. {failures}") from None
     except BaseException:
-        if _rank(group) == 0:
+        if group_rank(group) == 0:
             rmtree(staging)
         raise
     digests = getattr(writer, "digests", None)
@@ -164,7 +144,7 @@ def finish_sharded(
 ) -> AnyPath:
     """After DCP wrote ``staging`` on every rank: this rank's own files, their ``checksum`` digests
     (``digests``: those taken while writing), the manifest and the commit."""
-    rank = _rank(group)
+    rank = group_rank(group)
     result: Any
     try:
         for name, data in (files or {}).items():
@@ -175,7 +155,7 @@ def finish_sharded(
         result = file_entries(staging, mine, known=digests, checksum=checksum)
     except Exception as err:  # noqa: BLE001 - reported on every rank below
         result = f"rank {rank}: {type(err).__name__}: {err}"
-    everyone = _gather(result, group)
+    everyone = gather_objects(result, group)
     problems = [r for r in everyone if isinstance(r, str)]
     if not problems and rank == 0:
         try:
@@ -183,7 +163,7 @@ def finish_sharded(
             commit(staging, final)
         except Exception as err:  # noqa: BLE001
             problems.append(f"rank 0: {type(err).__name__}: {err}")
-    problems = _gather(problems, group)[0]  # rank 0's list: everybody's, and its own commit's
+    problems = gather_objects(problems, group)[0]  # rank 0's list: everybody's, and its own commit's
     if problems:
         if rank == 0:
             rmtree(staging)
@@ -194,12 +174,12 @@ def finish_sharded(
 def verify_distributed(path: AnyPath, *, group: dist.ProcessGroup | None = None, shards: bool = True) -> dict[str, Any]:
     """:func:`verify` with the checksum work shared (every rank hashes every ``world``-th file and
     checks the others' presence and size), and DCP's metadata checked (rank 0:
-    :func:`~lightning_scale.core.dcp_metadata.read_metadata`). A problem found anywhere is raised on
+    :func:`~lightning_scale.core.checkpoint.dcp_metadata.read_metadata`). A problem found anywhere is raised on
     every rank.
     ``shards=False``: the DCP data files are checked for presence and size only (a load hashes them
     as it reads them: :func:`load_sharded`)."""
     path = as_path(path)
-    rank, world = _rank(group), _world(group)
+    rank, world = group_rank(group), group_size(group)
     problem, manifest = "", {}
     try:
         # The manifest lists files sorted by path, the same on every rank.
@@ -217,7 +197,7 @@ def verify_distributed(path: AnyPath, *, group: dist.ProcessGroup | None = None,
 def _raise_everywhere(problem: str, group: Any, *, alone: bool = False) -> None:
     """The first rank's problem (a ``CheckpointCorruptError`` message) raised on every rank."""
     if not alone:
-        problem = next((p for p in _gather(problem, group) if p), "")
+        problem = next((p for p in gather_objects(problem, group) if p), "")
     if problem:
         raise CheckpointCorruptError(problem)
 
@@ -255,9 +235,9 @@ def check_unhashed(
     raised already): hash the shard files no rank read whole, the work shared. A mismatch is raised
     on every rank, naming the file. ``alone``: this process loaded by itself (no collectives)."""
     path = as_path(path)
-    done = set(hashed) if alone else {name for names in _gather(hashed, group) for name in names}
+    done = set(hashed) if alone else {name for names in gather_objects(hashed, group) for name in names}
     rest = [e["path"] for e in manifest["files"] if is_shard_file(e["path"]) and e["path"] not in done]
-    rank, world = (0, 1) if alone else (_rank(group), _world(group))
+    rank, world = (0, 1) if alone else (group_rank(group), group_size(group))
     mine = set(rest[rank::world])
     problem = ""
     try:
@@ -311,7 +291,7 @@ def load_sharded(
                 f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint {path} and {_global_shape(tensor)} "
                 "here: the checkpoint is of another model configuration."
             ))  # fmt: skip
-    problem = next((p for p in _gather(problem, group) if p is not None), None)
+    problem = next((p for p in gather_objects(problem, group) if p is not None), None)
     if problem is not None:
         kinds = {"KeyError": KeyError, "ValueError": ValueError, "CheckpointCorruptError": CheckpointCorruptError}
         raise kinds[problem[0]](problem[1])

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_scale.core.modules import Matcher, check_matcher, outermost_registered
+from lightning_scale.core.parallel.modules import Matcher, check_matcher, outermost_registered
 
 __all__ = [
     "IGNORE_INDEX",
