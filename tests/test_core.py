@@ -5,6 +5,7 @@ import math
 import pytest
 
 from lightning_scale.core import divisors, format_choices, suggest_multiples, warmup_cosine
+from lightning_scale.core.checks import check_positive_int, check_positive_number
 
 
 def test_warmup_cosine_golden_values() -> None:
@@ -35,3 +36,20 @@ def test_divisors_and_suggestions() -> None:
     assert format_choices(["b", "a"]) == "'a', 'b'"
     with pytest.raises(ValueError, match="positive integer"):
         divisors(0)
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "4", None])
+def test_check_positive_int_names_the_value_and_the_rule(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^workers=.* must be a positive integer \(1 or more\)\. Pass 1 or more\.$"):
+        check_positive_int("workers", value, fix="Pass 1 or more.")
+
+
+@pytest.mark.parametrize("value", [0, -0.5, float("nan"), float("inf"), False, "1"])
+def test_check_positive_number_names_the_value_the_unit_and_the_rule(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^timeout=.* must be a positive number of seconds\.$"):
+        check_positive_number("timeout", value, unit="seconds")
+
+
+def test_the_positive_checks_return_what_they_accept() -> None:
+    assert check_positive_int("n", 3) == 3
+    assert check_positive_number("t", 2) == 2.0 and isinstance(check_positive_number("t", 2), float)

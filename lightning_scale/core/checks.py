@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["divisors", "format_choices", "suggest_multiples"]
+__all__ = ["check_positive_int", "check_positive_number", "divisors", "format_choices", "suggest_multiples"]
+
+
+def check_positive_int(name: str, value: Any, *, fix: str = "") -> int:
+    """``value`` if it is an integer of 1 or more (``bool`` is not), else a ``ValueError`` naming
+    ``name``, the value and the rule, then ``fix`` (a sentence saying what to pass) when given."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer (1 or more).{' ' + fix if fix else ''}")
+    return value
+
+
+def check_positive_number(name: str, value: Any, *, unit: str = "", fix: str = "") -> float:
+    """``value`` as a float if it is a finite number above 0 (``bool`` is not), else a ``ValueError``
+    naming ``name``, the value and the rule (``unit``: what the number counts, e.g. "seconds")."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    if not ok:
+        what = f" number of {unit}" if unit else " finite number"
+        raise ValueError(f"{name}={value!r} must be a positive{what}.{' ' + fix if fix else ''}")
+    return float(value)
 
 
 def divisors(n: int) -> list[int]:
