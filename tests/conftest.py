@@ -1,5 +1,6 @@
 """Fixtures every test gets: its own working directory, a restored environment, no process group
-left behind, a shared cache of prepared data, and a check that the checkout gains no files."""
+left behind, a shared cache of prepared data, and a check that the checkout gains no files; and
+``world_of_one``, a process group of this process alone for unit tests of the distributed mechanisms."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,3 +76,16 @@ def _isolated(tmp_path: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch)
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[DeviceMesh]:
+    """A gloo process group of this process alone and its ``(dp, pp, tp) = (1, 1, 1)`` mesh: enough for
+    a pipeline of one rank (one stage, or several on it), DTensors and FSDP2, with no process spawned."""
+    store = dist.FileStore(str(tmp_path / "world_of_one.store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_scale.core.checkpoint.commit import commit, file_entries, staged_name, staging_dir, write_manifest
+from lightning_scale.core.checkpoint.commit import commit, file_entries, staging_dir, write_manifest
 from lightning_scale.core.checkpoint.format import (
     MANIFEST,
     CheckpointCorruptError,
@@ -136,7 +136,7 @@ def test_a_crash_before_commit_leaves_only_a_hidden_staging_directory(tmp_path: 
     staging = staging_dir(tmp_path / checkpoint_name(2), "abc")
     staging.mkdir()
     (staging / "__0_0.distcp").write_bytes(b"half")
-    assert staged_name(staging) == "step-000002" and staged_name(tmp_path / "step-000001") is None
+    assert staging == tmp_path / ".step-000002.staging-abc"  # a hidden sibling, named for the checkpoint
     assert [c.step for c in find_checkpoints(tmp_path)] == [1]
     with pytest.raises(CheckpointCorruptError, match="has no manifest.json: write the manifest before committing"):
         commit(staging, tmp_path / checkpoint_name(2))
@@ -158,9 +158,9 @@ def test_retention_keeps_the_newest_every_nth_and_the_protected(tmp_path: Path) 
     assert [c.step for c in keep] == [100, 200, 400, 500] and [c.step for c in delete] == [300]
     keep, delete = retained(found[:1], keep_last=1)
     assert [c.step for c in keep] == [100] and delete == []
-    with pytest.raises(ValueError, match=r"keep_last=0 must be an integer of at least 1"):
+    with pytest.raises(ValueError, match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept\."):
         retained(found, keep_last=0)
-    with pytest.raises(ValueError, match=r"keep_every=0 must be a positive integer or None"):
+    with pytest.raises(ValueError, match=r"keep_every=0 must be a positive integer \(1 or more\)\. Or None: keep only the newest keep_last\."):
         retained(found, keep_last=1, keep_every=0)
 
 

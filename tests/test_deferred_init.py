@@ -114,7 +114,9 @@ def test_by_cost_times_a_meta_model_one_piece_at_a_time_and_leaves_it_on_meta() 
     head, emb = root.head.weight, root.tok_emb.weight
     tokens = torch.randint(0, 256, (4, 32))
     weights, first, last = measure_costs(root, gpt_pipeline_spec(root), (tokens, tokens), microbatches=2, repeats=1)
-    assert len(weights) == CONFIG.n_layers and min(weights) > 0 and first > 0 and last > 0
+    # Real seconds of real tensors: a piece of this 32-wide model runs in milliseconds; 1 s leaves a
+    # loaded machine a hundredfold, and still fails a cost given in milliseconds.
+    assert len(weights) == CONFIG.n_layers and all(0 < t < 1.0 for t in [*weights, first, last]), (weights, first, last)
     assert all(t.is_meta for t in [*root.parameters(), *root.buffers()])
     assert root.head.weight is head is emb  # the very objects, tie intact
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from lightning_scale.core.telemetry.flops import (
     transformer_flops_per_token,
 )
 from lightning_scale.core.telemetry.model_facts import ModelFacts
-from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, device_peak
+from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, device_peak, measured_peak
 from lightning_scale.models import GPT, PRESETS
 from lightning_scale.strategies._parallelize import checkpointed_blocks
 
@@ -201,3 +202,18 @@ def test_the_a10g_has_its_own_peak_not_the_a10s() -> None:
     assert device_peak("NVIDIA A10G", "float16") == pytest.approx(70e12)
     assert device_peak("NVIDIA A10G", "tf32") == pytest.approx(35e12)
     assert device_peak("NVIDIA A10G", "float32") == pytest.approx(35e12)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: measured_flops_per_token(lambda: None, 0), r"^tokens=0 must be a positive integer \(1 or more\)\. It counts the tokens the step processes\.$"),
+        (lambda: measured_peak("float32", size=0), r"^size=0 must be a positive integer \(1 or more\)\.$"),
+        (lambda: measured_peak("float32", repeats=True), r"^repeats=True must be a positive integer \(1 or more\)\.$"),
+        (lambda: apply_activation_checkpointing([], "full", 0), r"^activation_checkpointing_every=0 must be a positive integer \(1 or more\)\.$"),
+    ],
+    ids=["tokens", "size", "repeats", "checkpointing-every"],
+)  # fmt: skip
+def test_counts_that_must_be_positive_integers_are_refused_naming_the_value(call: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()

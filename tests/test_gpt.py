@@ -109,7 +109,7 @@ def test_sequence_longer_than_context_is_rejected() -> None:
         ({"positional": "alibi"}, r"positional='alibi' is not one of 'learned', 'rope'"),
         ({"mlp": "relu"}, r"mlp='relu' is not one of 'gelu', 'swiglu'"),
         ({"d_model": 120, "n_heads": 40, "positional": "rope"}, r"head_dim=d_model/n_heads=3 must be even"),
-        ({"n_layers": 0}, r"n_layers must be a positive integer, got 0"),
+        ({"n_layers": 0}, r"GPTConfig\.n_layers=0 must be a positive integer \(1 or more\)\.$"),
         ({"dropout": 1.0}, r"dropout must lie in \[0, 1\)"),
     ],
 )

@@ -28,7 +28,12 @@ from lightning_scale.core.pipeline.loss import MicroBatchLoss, split_microbatche
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_scale.integrations.huggingface import HFBatches, causal_lm_loss  # noqa: E402
+from lightning_scale.integrations.huggingface import (  # noqa: E402
+    HFBatches,
+    causal_lm_loss,
+    causal_lm_tokens,
+    hf_pipeline_spec,
+)
 
 
 def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -169,7 +174,8 @@ def test_a_users_own_cut_of_an_hf_model_runs_with_the_familys_stage_forward_and_
     with torch.no_grad():
         whole = model(input_ids=tokens, position_ids=positions).logits
     spec = with_registered_forward(model, _user_spec())
-    assert spec.loss_fn is _lm_loss and spec.stage_forward is not None and list(spec.identity) == ["model.norm"]
+    family = hf_pipeline_spec(model)
+    assert spec.loss_fn is _lm_loss and spec.stage_forward is family.stage_forward and list(spec.identity) == ["model.norm"]
     first = prune_to_stage(copy.deepcopy(model), spec, [0, 1], is_first=True, is_last=False)
     second = prune_to_stage(copy.deepcopy(model), spec, [2, 3], is_first=False, is_last=True)
     with torch.no_grad():
@@ -186,4 +192,6 @@ def test_a_users_own_cut_of_an_hf_model_runs_with_the_familys_stage_forward_and_
     assert "list it in the spec's identity=[...]" in message and "stage_forward(module, *inputs, **kwargs)" in message
     assert removed_module_called(TypeError("unsupported operand"), plain, _user_spec(), ["model.norm"]) is None
     # A spec with no loss of its own takes the family's: loss, token count and batches.
-    assert with_registered_forward(model, _user_spec(None)).loss_tokens is not None
+    completed = with_registered_forward(model, _user_spec(None))
+    assert completed.loss_fn is causal_lm_loss and completed.loss_tokens is causal_lm_tokens
+    assert isinstance(completed.split_batch, HFBatches)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -128,10 +129,14 @@ def test_block_timing_waits_for_the_device_around_every_clock_read(monkeypatch: 
 
     synced: list[str] = []
     monkeypatch.setattr(block_costs, "synchronize", lambda device: synced.append(device.type))
+    # The clock reads (start, end) of each piece's two runs: block 0, block 1, the first, the last modules.
+    reads = iter([0.0, 3.0, 3.0, 5.0, 10.0, 14.0, 20.0, 22.5, 30.0, 31.0, 40.0, 40.5, 50.0, 50.75, 60.0, 61.0])
+    monkeypatch.setattr(block_costs, "time", SimpleNamespace(perf_counter=lambda: next(reads)))
     model = GPT(GPTConfig(n_layers=2, d_model=16, n_heads=2, block_size=8))
     tokens = torch.randint(0, 256, (4, 8))
     weights, first, last = block_costs.measure_costs(model, gpt_pipeline_spec(model), (tokens, tokens), 2, repeats=2)
-    assert len(weights) == 2 and all(w > 0 for w in weights) and first > 0 and last > 0
+    assert (weights, first, last) == ([2.0, 2.5], 0.5, 0.75)  # the faster of each piece's two runs
+    assert next(reads, None) is None  # two clock reads per run, nothing else timed
     pieces = 2 + 1 + 1  # each block, the first modules, the last modules with the loss
     assert synced == ["cpu"] * (pieces * 2 * 2)  # before and after each of `repeats` timings
 

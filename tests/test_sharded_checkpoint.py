@@ -99,7 +99,7 @@ def test_random_states_round_trip() -> None:
 
 
 def test_options_are_checked_when_made() -> None:
-    with pytest.raises(ValueError, match=r"keep_last=0 must be an integer of at least 1"):
+    with pytest.raises(ValueError, match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept"):
         ShardedCheckpointIO(keep_last=0)
     with pytest.raises(ValueError, match=r"keep_every=5 needs keep_last"):
         ShardedCheckpointIO(keep_every=5)
@@ -109,6 +109,8 @@ def test_options_are_checked_when_made() -> None:
         ShardedCheckpointIO(metadata={"when": object()})
     with pytest.raises(ValueError, match=r"checksum='xxh64' is not a checksum algorithm .* choose one of \('crc32', 'sha256'\)"):
         ShardedCheckpointIO(checksum="xxh64")
+    with pytest.raises(ValueError, match=r"thread_count=0 must be a positive integer \(1 or more\)\. It is the number of threads"):
+        ShardedCheckpointIO(thread_count=0)
 
 
 # ---------------------------------------------------------------- Lightning's API, one process

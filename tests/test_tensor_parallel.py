@@ -13,12 +13,13 @@ from helpers.parity import STEPS, RecordLoss
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_scale  # noqa: F401  (registers the strategies)
 from lightning_scale.callbacks import GradNormMonitor
 from lightning_scale.core.parallel.layout import Layout, resolve_layout
-from lightning_scale.core.parallel.tensor_parallel import local_numel, resolve_plan
+from lightning_scale.core.parallel.tensor_parallel import resolve_plan
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.plugins.checkpoint_io import load_from_checkpoint
@@ -150,6 +151,11 @@ class PlannedLM(PlainLM):
 # ---------------------------------------------------------------- parity runs
 
 
+def _local_numel(module: nn.Module) -> int:
+    """Elements of the parameters this rank holds (a DTensor counts its local shard)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+
+
 def _token_loader(batch_size: int) -> DataLoader:
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 256, (8 * STEPS, 17), generator=g)
@@ -184,7 +190,7 @@ def _fit(
         blocks = module.net.blocks
     # Gathered on every rank (the strategy's own checkpoint path gathers to rank 0 only).
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": state, "block_numel": local_numel(blocks)}
+    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": state, "block_numel": _local_numel(blocks)}
 
 
 def _hybrid(world: int, dp: int, tp: int, model: str, sp: bool = True, lp: bool = True, precision: str = "64-true") -> dict[str, Any]:

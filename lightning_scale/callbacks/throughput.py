@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
+from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.telemetry.flops import model_flops_utilization
 from lightning_scale.core.telemetry.model_facts import FLOPS_HOOK, ModelFacts
 from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, device_peak, machine_key, measured_peak, recorded_peak
@@ -88,8 +89,7 @@ class Throughput(telemetry.TimedCallback):
         peak_file: str | os.PathLike[str] | None = None,
         token_count: Callable[[Any], int] | None = None,
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r} must be a positive number of optimizer steps.")
+        check_positive_int("window", window, fix="It counts optimizer steps.")
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
             raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device.")
         if recomputed_flops_per_token is not None and (

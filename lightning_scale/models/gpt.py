@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_scale.core.checks import divisors, format_choices, suggest_multiples
+from lightning_scale.core.checks import check_positive_int, divisors, format_choices, suggest_multiples
 
 __all__ = ["GPT", "GPTConfig", "PRESETS"]
 
@@ -72,9 +72,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            check_positive_int(f"GPTConfig.{name}", getattr(self, name))
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}, so heads would "

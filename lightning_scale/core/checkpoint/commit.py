@@ -34,9 +34,7 @@ from lightning_scale.core.checkpoint.storage import (
     write_durable,
 )
 
-__all__ = ["clear_in_place", "commit", "file_entries", "staged_name", "staging_dir", "write_manifest"]
-
-_STAGING = re.compile(r"^\.(?P<name>.+)\.staging-[0-9a-zA-Z_-]+$")
+__all__ = ["clear_in_place", "commit", "file_entries", "staging_dir", "write_manifest"]
 
 
 def staging_dir(final: AnyPath, token: str) -> AnyPath:
@@ -153,9 +151,3 @@ def clear_in_place(final: AnyPath) -> None:
     if (final / MANIFEST).exists():
         (final / MANIFEST).unlink()
     rmtree(final)
-
-
-def staged_name(path: AnyPath) -> str | None:
-    """The checkpoint name a staging directory is for (``None``: not a staging directory)."""
-    match = _STAGING.match(as_path(path).name)
-    return match.group("name") if match else None

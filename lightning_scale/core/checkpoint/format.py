@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.checkpoint.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_checksum, new_digest
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
 
@@ -280,10 +281,9 @@ def retained(
     The caller passes checkpoints that verify; the newest of them is always kept, so a run never
     deletes the only good checkpoint it has.
     """
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last={keep_last!r} must be an integer of at least 1 (the newest is always kept).")
-    if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
-        raise ValueError(f"keep_every={keep_every!r} must be a positive integer or None.")
+    check_positive_int("keep_last", keep_last, fix="The newest checkpoint is always kept.")
+    if keep_every is not None:
+        check_positive_int("keep_every", keep_every, fix="Or None: keep only the newest keep_last.")
     protected = {as_path(p).resolve() for p in protect}
     ordered = sorted(checkpoints, key=by_step)
     newest = {id(c) for c in ordered[-keep_last:]}

@@ -62,7 +62,8 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict
 def load_full_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, partial: bool = False
 ) -> None:
-    """Load a state from :func:`full_optimizer_state`; ``partial``: keep the parameters this stage holds."""
+    """Load a whole optimizer state keyed by parameter name (``get_optimizer_state_dict`` with
+    ``full_state_dict=True``, as earlier releases saved it); ``partial``: keep the parameters this stage holds."""
     if partial:
         held = set(module.state_dict())
         state = {

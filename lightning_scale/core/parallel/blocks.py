@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_scale.core.checks import format_choices
+from lightning_scale.core.checks import check_positive_int, format_choices
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "compile_blocks"]
 
@@ -31,8 +31,7 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every
         raise ValueError(
             f"activation_checkpointing={mode!r} is not one of {format_choices(ACTIVATION_CHECKPOINTING)}."
         )
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"activation_checkpointing_every={every!r} must be a positive integer.")
+    check_positive_int("activation_checkpointing_every", every)
     if mode == "none":
         return 0
     chosen = list(blocks) if mode == "full" else list(blocks)[::every]

@@ -43,7 +43,6 @@ __all__ = [
     "apply_tensor_parallel",
     "find_registered_plans",
     "full_state_dict",
-    "local_numel",
     "register_plan",
     "resolve_plan",
 ]
@@ -167,11 +166,6 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str
         for name in names:
             _set_parameter(module, name, params[0])
     return module
-
-
-def local_numel(module: nn.Module) -> int:
-    """Elements of the parameters this rank holds (a DTensor counts its local shard)."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ __all__ = [
     "Partition",
     "balanced_partition",
     "bubble_fraction",
-    "check_pipeline_shape",
     "check_schedule_microbatches",
     "check_stage_blocks",
     "partition_by_layers",
@@ -216,26 +215,4 @@ def check_stage_blocks(*, num_blocks: int, pipeline_parallel: int, schedule: str
             f"blocks must divide into {stages} equal stages. Use a model with a multiple of {stages} blocks or "
             "another pipeline_parallel/virtual_stages."
         )
-    return per_rank
-
-
-def check_pipeline_shape(
-    *, num_blocks: int, pipeline_parallel: int, schedule: str, virtual_stages: int, batch_size: int, microbatches: int
-) -> int:
-    """Check a pipeline configuration before any work; returns the number of stages per rank.
-
-    Raises ``ValueError`` naming the rule and the fix for: an unknown schedule, more stages than
-    blocks, interleaved stages that do not divide the blocks evenly, and micro-batches that do not
-    divide the per-replica batch.
-    """
-    per_rank = check_stage_blocks(
-        num_blocks=num_blocks, pipeline_parallel=pipeline_parallel, schedule=schedule, virtual_stages=virtual_stages
-    )
-    if microbatches < 1 or batch_size % microbatches:
-        raise ValueError(
-            f"microbatches={microbatches} does not divide the per-replica batch of {batch_size} samples; pipeline "
-            f"schedules need equal micro-batches. Use microbatches in "
-            f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}."
-        )
-    check_schedule_microbatches(schedule, pipeline_parallel, microbatches)
     return per_rank

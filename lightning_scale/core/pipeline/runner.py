@@ -132,7 +132,11 @@ class PipelineRunner:
         keep = sorted(b for s in self.local_stages for b in self.partition.blocks(s))
         # Buffers every stage keeps a copy of must not change in training (checked on the first step).
         self._shared_buffers: list[str] | None = undeclared_buffers(root, spec)
-        self._removed = [n for n in removed_modules(spec, keep, self.is_first, self.is_last) if n not in spec.identity]
+        # What a forward may find missing: what the stage it runs (its view, with several stages) lacks.
+        by_stage = [
+            removed_modules(spec, self.partition.blocks(s), s == 0, s == self.num_stages - 1) for s in self.local_stages
+        ]
+        self._removed = [n for n in dict.fromkeys(n for names in by_stage for n in names) if n not in spec.identity]
         prune_to_stage(root, spec, keep, is_first=self.is_first, is_last=self.is_last)
         # A parameter every stage holds is a weight tied across all of them: its copies' gradients are
         # summed (the stages that do not use it add zeros), so every copy takes the one-process step.
@@ -312,8 +316,11 @@ class PipelineRunner:
                     self.schedule.step(*args, return_outputs=False, **step, **kwargs)
             else:
                 self._eval_schedule.eval(*args, **step, **kwargs)
-        except RuntimeError as err:
-            called = removed_module_called(err.__cause__, self._root, self._spec, self._removed)
+        except (RuntimeError, TypeError) as err:
+            # torch wraps a stage's forward error in a RuntimeError, except on the first step, whose
+            # shape inference calls the stage's module directly.
+            cause = err.__cause__ if isinstance(err, RuntimeError) else err
+            called = removed_module_called(cause, self._root, self._spec, self._removed)
             if called is not None:
                 raise ValueError(called) from err
             raise

@@ -26,13 +26,12 @@ Rules, for ``update(overflow)``:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_scale.core.checks import format_choices
+from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
 
 __all__ = ["MIN_SCALE_POLICIES", "DynamicLossScaler", "LossScaleAtMinimumError", "ScalerStep"]
 
@@ -61,17 +60,13 @@ class ScalerStep:
 def _positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a positive finite number.")
-    return float(value)
+    return check_positive_number(name, value)
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be a positive integer (1 or more).")
-    return value
+    return check_positive_int(name, value)
 
 
 class DynamicLossScaler:

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_scale.core.checks import check_positive_int
+
 __all__ = [
     "hardware_flops_per_token",
     "matmul_parameters",
@@ -103,8 +105,7 @@ def measured_flops_per_token(step: Callable[[], Any], tokens: int) -> float:
     analytic count does not describe."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens={tokens!r} must be a positive integer (the tokens the step processes).")
+    check_positive_int("tokens", tokens, fix="It counts the tokens the step processes.")
     with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops() / tokens

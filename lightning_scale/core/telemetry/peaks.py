@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_scale.core.checks import check_positive_int
+
 __all__ = ["PEAKS", "PEAK_FILE_ENV", "DTYPES", "Peak", "chip_of", "device_peak", "machine_key", "measured_peak", "recorded_peak"]
 
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
@@ -164,9 +166,8 @@ def measured_peak(
     dtype, size, threads) in a process. See :func:`recorded_peak` to measure once per machine."""
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot be measured; one of {tuple(_TORCH_DTYPES)}.")
-    for name, value in (("size", size), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    check_positive_int("size", size)
+    check_positive_int("repeats", repeats)
     key = (device, dtype, size, torch.get_num_threads())
     if key not in _MEASURED:
         a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
