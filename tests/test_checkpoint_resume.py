@@ -185,3 +185,18 @@ def test_load_full_checkpoint_gives_what_torch_load_gives_for_a_lightning_ckpt(t
     # The names torch's form leaves out, group by group in the order of "params".
     expected_names = [["a.weight", "out.weight"], ["a.bias", "norm.weight", "norm.bias", "b.bias", "out.bias"]]
     assert ours["optimizer_param_names"] == [expected_names]
+
+
+def test_a_single_device_lightning_checkpoint_resumes_under_the_strategy_like_one_process(tmp_path: Path) -> None:
+    # Lightning's own file (torch.save; the optimizer state numbered by position, no names), written by
+    # a plain Trainer, resumed by the strategy: the run continues as the plain Trainer resumed from it.
+    _trainer(2, "auto", callbacks=[_every(tmp_path, 2)], enable_checkpointing=True).fit(Tiny())
+    saved = torch.load(tmp_path / "step=2.ckpt", weights_only=True)
+    assert "lightning_scale" not in saved and sorted(saved["optimizer_states"][0]["state"]) == [0, 1, 2, 3, 4, 5, 6]
+    resumed = _trainer(4, HybridParallelStrategy())
+    model = Tiny()
+    resumed.fit(model, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    reference = Tiny()
+    _trainer(4, "auto").fit(reference, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)

@@ -149,3 +149,49 @@ def test_an_optimizer_state_by_parameter_name_loads_whole_or_for_a_stage() -> No
     assert sorted(loaded["state"]) == ["head.bias", "head.weight"]
     assert torch.equal(loaded["state"]["head.weight"]["exp_avg"], state["state"]["head.weight"]["exp_avg"])
     assert loaded["param_groups"][0]["params"] == ["head.weight", "head.bias"]
+
+
+def test_torchs_own_optimizer_state_numbered_by_position_loads_by_name() -> None:
+    # What a single-device Lightning run saves: optimizer.state_dict(), entries numbered, no names.
+    trained, optimizer = _trained()
+    numbered = optimizer.state_dict()
+    assert sorted(numbered["state"]) == [0, 1, 2, 3, 4, 5]
+    model = copy.deepcopy(trained)
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    load_full_optimizer_state(model, fresh, numbered)
+    assert fresh.param_groups[0]["lr"] == 0.1
+    for name, entry in _by_name(trained, optimizer)["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(_by_name(model, fresh)["state"][name][key], value), (name, key)
+    assert fresh.state_dict()["state"].keys() == numbered["state"].keys()
+    for index, entry in numbered["state"].items():
+        assert torch.equal(fresh.state_dict()["state"][index]["exp_avg_sq"], entry["exp_avg_sq"])
+
+
+def test_a_numbered_optimizer_state_with_param_names_loads_even_for_a_stage() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=0.1)  # torch records param_names
+    model(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    numbered = optimizer.state_dict()
+    assert numbered["param_groups"][0]["param_names"][0] == "emb.weight"
+    stage = copy.deepcopy(model)
+    stage.emb = None
+    stage.norm = None
+    mine = torch.optim.AdamW(stage.parameters(), lr=0.5)
+    load_full_optimizer_state(stage, mine, numbered, partial=True)
+    assert torch.equal(_by_name(stage, mine)["state"]["head.weight"]["exp_avg"], numbered["state"][4]["exp_avg"])
+
+
+def test_a_numbered_optimizer_state_that_cannot_be_matched_is_refused() -> None:
+    trained, optimizer = _trained()
+    numbered = optimizer.state_dict()
+    stage = copy.deepcopy(trained)
+    stage.emb = None
+    with pytest.raises(ValueError, match=r"numbered by their position .* Resume it once with pipeline_parallel=1"):
+        load_full_optimizer_state(stage, torch.optim.AdamW(stage.parameters()), numbered, partial=True)
+    model = copy.deepcopy(trained)
+    split = torch.optim.AdamW([{"params": [model.emb.weight]}, {"params": list(model.parameters())[1:]}])
+    with pytest.raises(ValueError, match=r"groups of \[6\] parameters and configure_optimizers built groups of \[1, 5\]"):
+        load_full_optimizer_state(model, split, numbered)
