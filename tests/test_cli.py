@@ -23,7 +23,9 @@ from hydra.core.global_hydra import GlobalHydra
 
 from lightning_scale.callbacks import PreemptionCheckpoint
 from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_checkpoint
-from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, build, planned_data_parallel_size
+from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
+from lightning_scale.cli.job_config import planned_data_parallel_size
+from lightning_scale.cli.run import build
 from lightning_scale.core.checkpoint.format import verify
 from lightning_scale.plugins import PREEMPTION_EXIT_CODE, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint

@@ -18,7 +18,8 @@ from hydra.errors import MissingConfigException
 from hydra.utils import _locate, instantiate
 from omegaconf import OmegaConf
 
-from lightning_scale.cli.train import _instantiate, run
+from lightning_scale.cli.job_config import instantiate as _instantiate
+from lightning_scale.cli.run import run
 from lightning_scale.models import PRESETS
 
 CONF = Path(str(resources.files("lightning_scale") / "conf"))
@@ -132,7 +133,7 @@ def test_every_experiment_runs_under_debug_fast(experiment: str | None, tmp_path
 
 @pytest.mark.parametrize("experiment", _options("experiment"))
 def test_every_experiment_has_enough_data_for_its_batches(experiment: str) -> None:
-    from lightning_scale.cli.train import planned_data_parallel_size
+    from lightning_scale.cli.job_config import planned_data_parallel_size
 
     cfg = _compose(f"experiment={experiment}")
     datamodule = instantiate(cfg.data)

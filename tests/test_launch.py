@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_scale.cli.train import RESOLVED_CONFIG_ENV
+from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
 
 
 def _port() -> int:
@@ -62,20 +62,20 @@ def test_two_torchrun_agents_on_loopback_train_dp2_by_tp2(tmp_path: Path) -> Non
 
 def test_slurm_ranks_share_a_run_directory_named_by_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     # SLURM itself does not run here: its environment variables stand in for it.
-    from lightning_scale.cli import launch
+    from lightning_scale.cli import environment
 
     for name in ("TORCHELASTIC_USE_AGENT_STORE", "RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_NTASKS", "16")
     monkeypatch.setenv("SLURM_PROCID", "5")
-    launch.run_name.cache_clear()
+    environment.run_name.cache_clear()
     try:
-        assert launch.launched_externally() and launch.global_rank() == 5
-        assert launch.run_name() == "slurm-4242"
-        assert launch._log_suffix() == ".rank5"
+        assert environment.launched_externally() and environment.global_rank() == 5
+        assert environment.run_name() == "slurm-4242"
+        assert environment.log_suffix() == ".rank5"
         monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: Lightning's own launcher starts the rest
-        launch.run_name.cache_clear()
-        assert not launch.launched_externally() and launch._log_suffix() == ""
+        environment.run_name.cache_clear()
+        assert not environment.launched_externally() and environment.log_suffix() == ""
     finally:
-        launch.run_name.cache_clear()
+        environment.run_name.cache_clear()

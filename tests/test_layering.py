@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import sys
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +114,147 @@ def test_the_direction_check_sees_an_upward_import() -> None:
     # Guard against a direction check that can never fail: checkpoint importing telemetry is upward-sideways.
     assert _core_part("lightning_scale.core.telemetry.flops") == "telemetry"
     assert "telemetry" not in CORE_MAY_IMPORT["checkpoint"] and _core_part("lightning_scale.cli.train") is None
+
+
+@cache
+def _module_graph(root: Path = PKG) -> dict[str, set[str]]:
+    """Each module of the package at ``root`` -> the package's modules its import statements name, every
+    statement counted (inside functions and ``if TYPE_CHECKING:`` too; relative ones resolved). ``from pkg
+    import name`` names the module ``pkg.name`` when there is one, else ``pkg`` itself."""
+    files: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        named: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                named.update(f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names)
+        edges = set()
+        for name in named:
+            while name and name not in files:  # a name inside a module (or outside the package: dropped)
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        work.append((node, iter(sorted(graph.get(node, ())))))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Any]] = []
+        visit(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    visit(succ)
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while not component or component[-1] != node:
+                        component.append(stack.pop())
+                        on_stack.discard(component[-1])
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    # Imports inside functions count: a cycle they hide still ties its modules into one knot.
+    cycles = _cycles(_module_graph())
+    assert not cycles, f"import cycles (each a set of modules that import each other): {cycles}"
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path: Path) -> None:
+    # Guard against a detector that can never fail: a -> b -> c -> a is one cycle; d -> a and e -> e are not.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}) == [["a", "b", "c"]]
+    assert _cycles({"x": {"y"}, "y": {"z"}, "z": set(), "w": {"x", "z"}}) == []
+    # The graph sees relative imports, imports inside functions and `from package import module`.
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .b import thing\n")
+    (pkg / "a.py").write_text("import os\n\ndef f():\n    from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from ..a import f\nimport pkg.sub.c\nthing = 1\n")
+    (pkg / "sub" / "c.py").write_text("from pkg import sub\n")
+    graph = _module_graph(pkg)
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.sub.b"}, "pkg.sub": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.a", "pkg.sub.c"},
+                     "pkg.sub.c": {"pkg.sub"}}  # fmt: skip
+    assert _cycles(graph) == [["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.sub.c"]]
+
+
+CLI_MAY_IMPORT = {
+    "environment": set(),
+    "resume": set(),
+    "job_config": {"environment", "resume"},
+    "results": {"environment", "job_config"},
+    "run": {"environment", "job_config", "results", "resume"},
+    "sweep_dirs": {"environment", "job_config", "results"},
+    "sweep_launch": {"environment", "job_config"},
+    "sweep": {"environment", "job_config", "results", "resume", "run", "sweep_dirs", "sweep_launch"},
+    "resolvers": {"environment", "sweep_dirs"},
+    "train": {"environment", "job_config", "results", "resume", "run", "sweep_dirs", "sweep_launch", "sweep", "resolvers"},
+    "report_plots": set(),
+    "report": {"environment", "results", "report_plots"},
+    "ckpt": set(),
+    "prepare": set(),
+}
+"""What each module of ``cli`` may import from the rest of it: ``lightning-scale-train``'s one-way chain
+environment <- job_config <- results <- run <- sweep <- train (the docstring of ``lightning_scale/cli/__init__.py``
+says the same), and the other apps beside it."""
+
+
+def _cli_module(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["lightning_scale", "cli"] else None
+
+
+def test_cli_is_only_made_of_the_declared_modules() -> None:
+    found = {p.stem for p in _files("cli")} - {"__init__"}
+    assert found == set(CLI_MAY_IMPORT), "a new module in cli: declare what it may import"
+    assert not _cycles({k: set(v) for k, v in CLI_MAY_IMPORT.items()}), "the declared chain itself has a cycle"
+
+
+@pytest.mark.parametrize("own", sorted(CLI_MAY_IMPORT))
+def test_cli_modules_import_only_down_their_chain(own: str) -> None:
+    # Every import statement counts, `from lightning_scale.cli import sweep` and those inside functions too.
+    named = {_cli_module(n) for n in _module_graph()[f"lightning_scale.cli.{own}"]} - {None}
+    bad = sorted(named - CLI_MAY_IMPORT[own])
+    assert not bad, f"cli.{own} imports cli.{bad}; it may import only {sorted(CLI_MAY_IMPORT[own])} from cli"
+
+
+def test_the_chain_check_sees_an_upward_import() -> None:
+    # Guard against a chain check that can never fail: the run importing the sweep goes back up the chain.
+    assert _cli_module("lightning_scale.cli.sweep") == "sweep" and "sweep" not in CLI_MAY_IMPORT["run"]
+    assert _cli_module("lightning_scale.core.checks") is None and _cli_module("lightning_scale.cli") is None
+    assert "lightning_scale.cli.run" in _module_graph()["lightning_scale.cli.sweep"]

@@ -29,7 +29,8 @@ NEEDED = {
 
 
 def _default_job(rank: int, world_size: int, run_dir: str) -> dict[int, dict[tuple[str, str], int]]:
-    from lightning_scale.cli.train import build, register_resolvers
+    from lightning_scale.cli.resolvers import register_resolvers
+    from lightning_scale.cli.run import build
 
     register_resolvers()
     GlobalHydra.instance().clear()

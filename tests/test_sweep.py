@@ -23,8 +23,8 @@ from hydra.errors import MissingConfigException
 
 from lightning_scale.cli import report as report_cli
 from lightning_scale.cli.report import METRICS, PALETTE, build_report
-from lightning_scale.cli.sweep import layout_of
-from lightning_scale.cli.train import RESOLVED_CONFIG_ENV, LayoutNotAdmitted, preflight
+from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
+from lightning_scale.cli.job_config import LayoutNotAdmitted, layout_of, preflight
 
 SHORT = ["trainer.val_check_interval=5", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=5", "logger=[csv,wandb]"]
 
@@ -583,7 +583,7 @@ def _marked(mark: str) -> list[str]:
 def test_sigkill_of_the_sweep_ends_every_process_of_its_job_and_a_running_job_holds_its_directory(
     tmp_path: Path, data_cache: Path
 ) -> None:
-    from lightning_scale.cli.sweep import hold_job_dir
+    from lightning_scale.cli.sweep_dirs import hold_job_dir
 
     mark = f"LS_TEST_SWEEP_MARK={os.getpid()}-{time.monotonic_ns()}"
     env = {**_env(data_cache), mark.split("=")[0]: mark.split("=")[1]}

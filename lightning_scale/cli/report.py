@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, plot_all
-from lightning_scale.cli.sweep import collect_results, describe_totals, study_totals, wandb_offline
+from lightning_scale.cli.environment import wandb_offline
+from lightning_scale.cli.results import collect_results, describe_totals, study_totals
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
 

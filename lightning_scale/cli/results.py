@@ -1,10 +1,16 @@
-"""What a run leaves behind for a study: ``results.json`` (one run, or one job of a sweep), each
-rank's peak memory, and the environment it ran on (logged to wandb at the start)."""
+"""What a run leaves behind for a study: ``results.json`` (one run, or one job of a sweep; the one
+definition of its name, :data:`RESULTS_FILE`, and of the files beside it), each rank's peak memory, the
+loss curves and ``metrics.csv``'s earlier rows of a resumed run, the environment it ran on (logged to
+wandb at the start), and reading a study's results back. May import from ``cli`` only ``environment``
+and ``job_config`` (see ``cli/__init__.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -13,22 +19,92 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from lightning_scale.cli.job_config import config_fingerprint, layout_of
+
 __all__ = [
     "CsvHistory",
+    "JOB_FILE",
+    "RESULTS_FILE",
+    "STATUSES",
+    "SUMMARY_FILE",
     "SUMMARY_METRICS",
     "ValidationRecord",
+    "collect_results",
+    "describe_totals",
     "environment",
     "finish_wandb",
     "job_results",
     "log_config",
     "num_parameters",
     "peak_memory",
+    "read_json",
+    "study_totals",
+    "write_json",
 ]
+
+RESULTS_FILE = "results.json"
+"""A run's (or a sweep job's) record: what a study's report compares (:func:`job_results`)."""
+SUMMARY_FILE = "summary.json"
+"""A run's summary: losses, steps, the telemetry's last values."""
+JOB_FILE = "job.json"
+"""A sweep job's (or a run's) record of itself: wandb run id, attempt, checkpoint resumed from."""
+STATUSES = ("completed", "skipped", "failed")
 
 SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
                    "train/achieved_tflops_per_device", "train/peak_flops_measured", "memory/peak_allocated_gib",
                    "memory/peak_reserved_gib", "memory/peak_rss_gib", "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
 """The telemetry callbacks' metrics whose last values go into ``summary.json``."""
+
+
+def write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` to ``path`` whole or not at all (a temporary file, then renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """``path``'s JSON document, or None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect_results(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every job's ``results.json`` under ``sweep_dir``, in job order, each with its ``job_dir``."""
+    found = []
+    for path in sorted(Path(sweep_dir).rglob(RESULTS_FILE)):
+        if any(part.startswith(".") for part in path.relative_to(sweep_dir).parts):
+            continue
+        doc = read_json(path)
+        if doc is not None:
+            found.append({**doc, "job_dir": str(path.parent)})
+    return sorted(found, key=lambda d: (d.get("job") is None, d.get("job") if isinstance(d.get("job"), int) else 0, d["job_dir"]))
+
+
+def study_totals(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a study cost, over its jobs that ran (completed, or failed after running): ``device_hours``
+    (each job's elapsed time x its devices), ``job_hours`` (the jobs' elapsed times added: the wall time
+    of a sweep that runs them one after another), ``usd`` (the jobs' recorded cost, ``None`` when no job
+    recorded one) and ``priced_jobs`` of ``jobs_run``."""
+    ran = [j for j in jobs if isinstance(j.get("elapsed_s"), (int, float))]
+    priced = [j for j in ran if isinstance(j.get("usd"), (int, float))]
+    return {
+        "jobs_run": len(ran),
+        "device_hours": sum(float(j["elapsed_s"]) * int(j.get("world_size") or 1) for j in ran) / 3600,
+        "job_hours": sum(float(j["elapsed_s"]) for j in ran) / 3600,
+        "usd": sum(float(j["usd"]) for j in priced) if priced else None,
+        "priced_jobs": len(priced),
+    }
+
+
+def describe_totals(totals: Mapping[str, Any]) -> str:
+    """One line for a study's totals (:func:`study_totals`)."""
+    usd = (f"${totals['usd']:,.2f} ({totals['priced_jobs']} of {totals['jobs_run']} jobs priced)"
+           if totals["usd"] is not None else "no cost recorded (no price for the device)")  # fmt: skip
+    return (f"{totals['jobs_run']} jobs ran: {totals['device_hours']:.3g} device-hours, "
+            f"{totals['job_hours']:.3g} h of jobs, {usd}")  # fmt: skip
 
 
 class ValidationRecord(Callback):
@@ -180,8 +256,6 @@ def job_results(
     cfg: DictConfig, summary: dict[str, Any], record: Any, trainer: Trainer, datamodule: Any, peaks: list[int]
 ) -> dict[str, Any]:
     """``results.json``: what a sweep's report compares, for one run or one job of a sweep."""
-    from lightning_scale.cli.sweep import config_fingerprint, layout_of
-
     job = cast(dict, OmegaConf.to_container(cfg.job, resolve=True)) if cfg.get("job") is not None else {}
     plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     layout = job.get("layout") or layout_of(plain)

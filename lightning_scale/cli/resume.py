@@ -4,6 +4,8 @@
 directories (the newest that verifies), and resumes a relaunched process on its own
 (``ShardedCheckpointIO(auto_resume="on_restart")``). Lightning's own strategies (``strategy=ddp``)
 know neither, so for them both happen here, in Lightning's format: a ``.ckpt`` file per checkpoint.
+A sweep job that ran before resumes from its newest checkpoint (:func:`resumable_checkpoint`).
+Imports nothing else from ``cli`` (see ``cli/__init__.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 
+from lightning_scale.core.checkpoint.format import latest
 from lightning_scale.plugins.checkpoint_io import restarted
 
-__all__ = ["check_checkpoint_path", "latest_lightning_checkpoint", "resume_checkpoint"]
+__all__ = ["check_checkpoint_path", "latest_lightning_checkpoint", "resumable_checkpoint", "resume_checkpoint"]
 
 
 def _strategy_target(cfg: DictConfig) -> str:
@@ -113,3 +116,19 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     return str(found)
 
 
+def resumable_checkpoint(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from, the wandb run id it records) for a sweep job that ran before, in its
+    checkpoint directory: the newest sharded checkpoint that verifies, else ``last.ckpt``, else the newest
+    ``.ckpt`` file."""
+    node = (cfg.get("callbacks") or {}).get("checkpoint") or {}
+    root = Path(node.get("dirpath") or Path(cfg.run_dir) / "checkpoints")
+    if not root.is_dir():
+        return None, None
+    found = latest(root)  # sharded checkpoints: the newest that verifies
+    if found is not None:
+        return str(found.path), found.manifest.get("wandb_run_id")
+    last = root / "last.ckpt"
+    if last.is_file():
+        return str(last), None
+    files = sorted(root.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return (str(files[-1]) if files else None), None

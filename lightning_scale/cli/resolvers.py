@@ -1,0 +1,36 @@
+"""The resolvers ``lightning_scale/conf`` uses, registered by :func:`register_resolvers` (when the config
+package is imported, and when ``train.py`` is). May import from ``cli`` ``environment`` and ``sweep_dirs``
+(see ``cli/__init__.py``)."""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from lightning_scale.cli.environment import log_suffix, run_name, study_name, wandb_offline
+from lightning_scale.cli.sweep_dirs import job_dir_for
+
+__all__ = ["register_resolvers"]
+
+
+def _multiply(*values: float) -> float:
+    product: float = 1
+    for value in values:
+        product *= value
+    return product
+
+
+def register_resolvers() -> None:
+    """Register the config's resolvers (idempotent): ``${ls_run_name:}``, ``${ls_log_suffix:}``,
+    ``${ls_study:}`` (``environment.study_name``), ``${ls_wandb_offline:}``, ``${ls_mul:a,b}`` and
+    ``${ls_job_dir:num}`` (``sweep_dirs.job_dir_for``)."""
+    resolvers = {
+        "ls_run_name": (run_name, False),
+        "ls_log_suffix": (log_suffix, False),
+        "ls_study": (study_name, True),  # cached: every job of a sweep gets the sweep's name
+        "ls_wandb_offline": (wandb_offline, False),
+        "ls_mul": (_multiply, False),
+        "ls_job_dir": (job_dir_for, False),  # a sweep job's directory, chosen by its config
+    }
+    for name, (function, cached) in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, function, use_cache=cached)
