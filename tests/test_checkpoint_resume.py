@@ -5,6 +5,7 @@ All in this process (one device, :class:`~test_checkpoint_safety.Tiny`), each fi
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from test_checkpoint_safety import Tiny, _cli, _trainer
 
 from lightning_scale.core.checkpoint.format import MANIFEST
@@ -200,3 +203,41 @@ def test_a_single_device_lightning_checkpoint_resumes_under_the_strategy_like_on
     _trainer(4, "auto").fit(reference, ckpt_path=str(tmp_path / "step=2.ckpt"))
     for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(value, expected, rtol=0, atol=0, msg=name)
+
+
+class _Logged(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss)
+        return loss
+
+
+class _OnDisk(Callback):
+    """The rows of metrics.csv on disk after each step (what a SIGKILL at that moment leaves)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.rows = path, []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        steps = []
+        if self.path.is_file():
+            with open(self.path, newline="") as f:
+                steps = [int(r["step"]) for r in csv.DictReader(f)]
+        self.rows.append(steps)
+
+
+def test_every_row_before_a_step_is_on_disk_when_it_ends(tmp_path: Path) -> None:
+    # A run killed at any moment must leave the rows of the steps before its checkpoint, which the resumed
+    # run does not train again. CSVLogger buffers flush_logs_every_n_steps rows, but Lightning's logger
+    # connector saves the loggers after each logging step (what the CLI's record relies on; CsvHistory
+    # must not change it): the rows are on disk a step later, whatever the flush interval.
+    from lightning_scale.cli.results import CsvHistory
+
+    logger = CSVLogger(tmp_path, name="", version="", flush_logs_every_n_steps=1000)
+    probe = _OnDisk(tmp_path / "metrics.csv")
+    trainer = _trainer(
+        5, HybridParallelStrategy(), logger=logger, log_every_n_steps=1, enable_checkpointing=True,
+        callbacks=[_every(tmp_path / "ckpts", 2), CsvHistory(logger), probe],
+    )  # fmt: skip
+    trainer.fit(_Logged())
+    assert probe.rows == [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
