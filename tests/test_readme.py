@@ -1,11 +1,10 @@
-"""The README's quickstart stays true: CI runs its test command, the example runs."""
+"""The README's quickstart stays true (CI runs its test command), and the README stays an overview
+whose links lead somewhere. Its example is run by tests/test_docs.py; examples/ by tests/test_examples.py."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
+import unicodedata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +29,27 @@ def test_constraints_pin_the_cpu_torch_build() -> None:
     assert lines == ["torch==2.13.0"]
 
 
-def test_example_runs(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--devices", "1", "--max-steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"step 4/4 \| train/loss [\d.]+", proc.stdout)
+def test_the_readme_stays_an_overview() -> None:
+    # The reference lives in docs/ (a page per capability); the README says what the package is.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the detail into a docs/ page"
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc extension (MkDocs) gives a heading."""
+    text = unicodedata.normalize("NFKD", re.sub(r"`", "", heading)).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_every_readme_link_leads_to_a_file_and_heading_that_exist() -> None:
+    # mkdocs checks the links between docs pages; the README is not one of them.
+    readme = (ROOT / "README.md").read_text()
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", readme) if not re.match(r"[a-z]+://", t)]
+    assert len(links) > 20, links
+    for target in links:
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md links to {target}: no such heading in {path}"
+    assert _slug('Which checkpoint is "latest"') == "which-checkpoint-is-latest"

@@ -615,14 +615,13 @@ def test_sigkill_of_the_sweep_ends_every_process_of_its_job_and_a_running_job_ho
     os.close(hold_job_dir(job_dir))  # the lock died with the sweep
 
 
-def _readme_sweep_commands() -> list[str]:
-    """Every ``lightning-scale-train`` command of the README's sweep section and of the sweep presets'
-    comments (continuation lines joined), without the program name."""
+def _documented_sweep_commands() -> list[str]:
+    """Every ``lightning-scale-train`` command of the scaling-studies page (docs/scaling.md) and of the sweep
+    presets' comments (continuation lines joined), without the program name."""
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("## Scaling studies: sweeps and reports") :]
-    section = section[: section.index("\n## ", 1)]
-    texts = [section] + [p.read_text() for p in sorted((root / "lightning_scale" / "conf" / "experiment").glob("*.yaml"))]
+    page = (root / "docs" / "scaling.md").read_text()
+    assert page.startswith("# Scaling studies: sweeps and reports"), page[:200]
+    texts = [page] + [p.read_text() for p in sorted((root / "lightning_scale" / "conf" / "experiment").glob("*.yaml"))]
     commands = []
     for text in texts:
         joined = re.sub(r"\\\n#?\s*", " ", text)
@@ -652,10 +651,10 @@ def _expand_multirun(args: list[str], compose: slice = slice(None)) -> tuple[lis
     return batch, [loader.load_sweep_config(cfg, list(job)) for job in batch[compose]]
 
 
-def test_the_readme_sweep_commands_compose_into_their_jobs() -> None:
+def test_the_documented_sweep_commands_compose_into_their_jobs() -> None:
     import shlex
 
-    commands = _readme_sweep_commands()
+    commands = _documented_sweep_commands()
     assert len(commands) >= 8, commands
     jobs = {}
     for command in commands:

@@ -51,7 +51,7 @@ def _bundled_corpus() -> Path:
 
 
 BUNDLED_CORPUS: Path = _bundled_corpus()
-"""Shakespeare's complete works, public domain (see the README for the source)."""
+"""Shakespeare's complete works, public domain (see docs/data.md for the source)."""
 
 
 class Tokenizer(Protocol):

@@ -93,8 +93,8 @@ class MixedPrecision(Precision):
             and compute), ``"32-true"`` or ``"64-true"``. In the mixed modes weights, gradients and
             optimizer state stay fp32.
         device: the device type autocast runs on (``"cuda"``, ``"cpu"``, ...); default: the model's.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-            min_scale_policy: the fp16 loss scaler (``lightning_scale.core.precision.loss_scaler``); fp16 only.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, min_scale_policy:
+            the fp16 loss scaler (``lightning_scale.core.precision.loss_scaler``); fp16 only.
             Defaults ``2**16``, ``2.0``, ``0.5``, ``2000``, ``1``, ``1.0``, ``"raise"``.
         nonfinite_grads: bf16 and fp32 only: ``"skip"`` a step whose gradients are non-finite
             (anywhere in the mesh; neither optimizer nor step-wise LR schedulers step), ``"raise"``
@@ -446,4 +446,3 @@ class MixedPrecision(Precision):
             self._skipped = int(state_dict.get("skipped_steps", 0))
         elif "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
-
