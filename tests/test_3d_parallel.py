@@ -105,6 +105,9 @@ CASES_4: dict[str, Any] = {
     "gathers-m8": lambda w: _gathers_per_step(w, 8),
     "tied-v": _tied_v_error,
     "by-cost": _by_cost_cut,
+    # The GPT presets' default: the embedding and head share a weight, here cut across stages and split
+    # over tp (the embedding's gradient comes back replicated, the head's sharded).
+    "tied-tp2-pp2": lambda w: fit_gpt(HybridParallelStrategy(microbatches=2, tensor_parallel=2, pipeline_parallel=2), w, TIED),
 }
 
 
@@ -155,6 +158,11 @@ def test_fsdp_under_a_pipeline_gathers_parameters_once_per_step_not_per_micro_ba
     two, eight = [r["gathers-m2"] for r in four], [r["gathers-m8"] for r in four]
     assert min(two) > 0, two  # the profiler saw FSDP's all-gathers
     assert two == eight, (two, eight)
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_and_head_at_tp2_pp2_match_one_process(four: list[dict[str, Any]]) -> None:
+    assert_parity([r["tied-tp2-pp2"] for r in four], single_process(TIED))
 
 
 @pytest.mark.slow

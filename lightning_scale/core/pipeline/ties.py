@@ -103,6 +103,10 @@ class TiedCopies:
             param = self._root.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif isinstance(param, DTensor) and param.grad.placements != param.placements:
+                # Under tensor parallelism a copy's gradient may come back laid out otherwise than its
+                # weight (an embedding sharded on the vocabulary gets a replicated one): sum like with like.
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             dist.all_reduce(_local(param.grad), group=group)
 
     def excluded_from_norm(self) -> set[int]:
