@@ -64,7 +64,7 @@ def _by_cost_cut(world: int) -> tuple[tuple[int, int], ...]:
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
     uneven = StackModule(BlockStack([_UnevenBlock(i) for i in range(4)], dim=16))
     trainer.fit(uneven, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
-    return trainer.strategy._pipeline.partition.ranges
+    return trainer.strategy.pipeline.partition.ranges
 
 
 def _hybrid(world: int, **kwargs: Any) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from lightning_scale.core.telemetry.flops import (
 from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, device_peak, measured_peak
 from lightning_scale.models import GPT, PRESETS
-from lightning_scale.strategies._parallelize import checkpointed_blocks
+from lightning_scale.strategies.hybrid.parallelize import checkpointed_blocks
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

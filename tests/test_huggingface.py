@@ -252,7 +252,7 @@ def test_every_supported_familys_stages_chained_equal_the_whole_model(family: st
     import copy
 
     from lightning_scale.core.pipeline.spec import StageForward, prune_to_stage
-    from lightning_scale.strategies._pipeline import pipeline_spec_of
+    from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
     torch.manual_seed(0)
     module = LightningModule()
@@ -279,7 +279,7 @@ def test_every_supported_familys_stages_chained_equal_the_whole_model(family: st
 
 
 def test_an_hf_family_without_pipeline_stages_names_the_supported_ones_and_the_hook() -> None:
-    from lightning_scale.strategies._pipeline import pipeline_spec_of
+    from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
     module = LightningModule()
     module.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, bos_token_id=0, eos_token_id=0))

@@ -94,6 +94,13 @@ def test_adapters_never_import_the_reference_models(sub: str) -> None:
         assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}: adapters must work for every model"
 
 
+@pytest.mark.parametrize("path", _files("strategies"), ids=lambda p: str(p.relative_to(PKG / "strategies")))
+def test_strategies_never_import_callbacks(path: Path) -> None:
+    # A strategy adds what it needs to a fit (the preemption checkpoint) from plugins/, never from callbacks/.
+    bad = [n for n in _imports(path) if n == "lightning_scale.callbacks" or n.startswith("lightning_scale.callbacks.")]
+    assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; strategies may use plugins and core, not callbacks"
+
+
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     # Guard against a checker that can never fail.
     fake = PKG / "core" / "lr_schedule.py"

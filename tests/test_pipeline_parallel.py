@@ -218,7 +218,7 @@ def test_unknown_partition_lists_the_valid_ones() -> None:
 
 def test_a_model_that_declares_no_blocks_is_rejected() -> None:
 
-    from lightning_scale.strategies._pipeline import pipeline_spec_of
+    from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
     with pytest.raises(ValueError, match=r"declares no blocks: define `pipeline_spec\(self\)"):
         pipeline_spec_of(LightningModule())
@@ -308,7 +308,7 @@ def _partition_ranges(rank: int, world: int) -> dict[str, tuple[Any, ...]]:
         trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=1)
         slow = StackModule(BlockStack([_SlowBlock(c) for c in SLOW_COSTS]))
         trainer.fit(slow, datamodule=TextDataModule(seq_len=16, global_batch_size=4))
-        part = trainer.strategy._pipeline.partition
+        part = trainer.strategy.pipeline.partition
         ranges[partition] = (part.ranges, part.costs)
     return ranges
 

@@ -22,8 +22,8 @@ NEEDED = {
     # The global gradient norm for clipping (trainer.gradient_clip_val=1.0), which also decides the step.
     ("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats"),
     # The preemption agreement, once per optimizer step.
-    ("c10d.allreduce_", "callbacks/preemption.py:_anyone_signalled"),
-    (SCALAR_READ, "callbacks/preemption.py:_anyone_signalled"),
+    ("c10d.allreduce_", "plugins/preemption.py:_anyone_signalled"),
+    (SCALAR_READ, "plugins/preemption.py:_anyone_signalled"),
     (SCALAR_READ, OPTIMIZER),
 }
 
@@ -66,7 +66,7 @@ def test_steps_between_logging_steps_run_only_the_collectives_and_syncs_training
             extra = {site: n for site, n in steps[step].items() if site not in NEEDED}
             assert not extra, f"rank {rank}, step {step}: {extra}"
             ours = steps[step]
-            assert ours[("c10d.allreduce_", "callbacks/preemption.py:_anyone_signalled")] == 1
+            assert ours[("c10d.allreduce_", "plugins/preemption.py:_anyone_signalled")] == 1
             assert ours[("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats")] == 1
 
 
@@ -81,4 +81,4 @@ def test_the_reductions_of_the_telemetry_run_at_logging_steps(default_job_syncs:
     for steps in default_job_syncs:
         logging = steps[LOG_EVERY]
         sites = {site for op, site in logging if op == "c10d.allreduce_"}
-        assert {"callbacks/_telemetry.py:reduce_sum", "strategies/_collectives.py:reduce"} <= sites, sites
+        assert {"callbacks/_telemetry.py:reduce_sum", "strategies/hybrid/collectives.py:reduce"} <= sites, sites

@@ -114,7 +114,7 @@ def test_fit_then_validate_test_predict_with_new_trainers_at_dp2_tp2(single: dic
 
 def test_only_settings_that_decide_the_cut_must_match_for_a_module_to_be_set_up_again() -> None:
     from lightning_scale.core.parallel.layout import Layout
-    from lightning_scale.strategies._options import ParallelOptions
+    from lightning_scale.strategies.hybrid.options import ParallelOptions
 
     layout = Layout(dp=2, pp=2, tp=1)
     first = ParallelOptions(data_parallel=2, pipeline_parallel=2, microbatches=4, loss_name="{stage}_loss")

@@ -22,8 +22,9 @@ those). With pipeline parallelism every micro-batch of a step reuses the gathere
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "has_persistent_buffers",
     "bf16_all_reduce_hook",
     "check_not_wrapped",
+    "gradient_sync_blocked",
     "register_compression",
     "wrap_ddp",
 ]
@@ -66,6 +68,22 @@ def check_not_wrapped(module: nn.Module) -> None:
                 f"Modules {wrapped[:3]} are already wrapped in {label}. Pass the bare model: the strategy applies "
                 "tensor, pipeline and data parallelism itself (choose the mode with data_parallel_mode)."
             )
+
+
+@contextlib.contextmanager
+def gradient_sync_blocked(module: nn.Module) -> Generator[None, None, None]:
+    """No FSDP2 gradient reduction inside, for every ``fully_shard``/``replicate`` module in ``module``
+    (gradient accumulation's micro-steps; the window's gradients stay unsharded until the last)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)
 
 
 def apply_data_parallel(

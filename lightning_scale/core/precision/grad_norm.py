@@ -33,6 +33,7 @@ __all__ = [
     "clip_grads_by_value_",
     "gradient_stats",
     "local_grads",
+    "model_grad_norm",
     "reduce_partial_grads_",
     "scale_grads_",
     "total_grad_norm",
@@ -268,6 +269,14 @@ def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, nor
     if not finite:
         local_bad = tuple(with_grads[j][0] for j in (~torch.isfinite(norms)).nonzero().flatten().tolist())
     return GradientStats(norm=norm, finite=finite, nonfinite_local=local_bad)
+
+
+def model_grad_norm(parameters: Sequence[torch.Tensor], scope: GradientScope, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole model's gradients (every shard, replica and stage; ``scope`` says which
+    rank counts which piece), a float64 scalar equal on every rank. Gradients left ``Partial`` are
+    reduced first (:func:`reduce_partial_grads_`)."""
+    reduce_partial_grads_(parameters)
+    return torch.tensor(gradient_stats(parameters, scope, norm_type).norm, dtype=torch.float64)
 
 
 def scale_grads_(parameters: Iterable[torch.Tensor], factor: float) -> None:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.core.pipeline.runner import PipelineRunner
-from lightning_scale.strategies._options import ParallelOptions
+from lightning_scale.strategies.hybrid.options import ParallelOptions
 
 __all__ = ["ParallelState"]
 
@@ -48,6 +48,26 @@ class ParallelState:
 
     def attach(self, module: nn.Module) -> None:
         setattr(module, _STATE, self)
+
+    @staticmethod
+    def needed(layout: Layout, options: ParallelOptions) -> bool:
+        """Whether a module cut for ``layout`` and ``options`` must be adopted, not cut, by the next Trainer:
+        anything but plain DDP (or one process) with neither activation checkpointing nor compile."""
+        untouched = layout.tp == 1 and layout.pp == 1 and (layout.dp == 1 or options.data_parallel_mode == "ddp")
+        return not (untouched and options.activation_checkpointing == "none" and not options.compile)
+
+    @staticmethod
+    def adopted(module: nn.Module, layout: Layout, mp_policy: Any, precision: str) -> ParallelState | None:
+        """The state of ``module`` if an earlier Trainer cut it (``None``: never cut); ``ValueError`` when
+        it was sharded with another FSDP2 precision policy than ``mp_policy`` (``precision``: this one's)."""
+        state = ParallelState.of(module, layout, None, None)
+        if state is not None and state.mp_policy != mp_policy:
+            raise ValueError(
+                f"{type(module).__name__} was sharded by FSDP2 with mixed precision {state.mp_policy} by an earlier "
+                f"Trainer; this one asks for {mp_policy} (precision={precision!r}). Use the same "
+                "precision, or load the checkpoint into a fresh module."
+            )
+        return state
 
     @staticmethod
     def of(

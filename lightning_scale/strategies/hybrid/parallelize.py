@@ -1,14 +1,6 @@
-"""Turning a LightningModule into this rank's part of a (dp, pp, tp) layout, in one documented order:
-
-1. pipeline: keep this rank's stage(s), removing the other stages' blocks (names unchanged);
-2. tensor parallel: the plan, checked against the whole model, applied to the modules kept;
-3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block of each
-   pipeline rank's); which blocks are wrapped on all ranks goes into the model facts (``train/hfu``);
-4. ``torch.compile`` of each block (optional);
-5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
-   modules that run them. (Plain DDP, when nothing else cuts the model, is the strategy's.)
-
-Each step sees the module the previous one left, so e.g. FSDP shards the tensor-parallel shards.
+"""Turning a LightningModule into this rank's part of a (dp, pp, tp) layout: :func:`parallelize`,
+whose docstring is where the order is written down, and what it needs (the tensor-parallel plan,
+the blocks activation checkpointing wraps, the model's facts taken before it is cut).
 """
 
 from __future__ import annotations
@@ -17,7 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,12 +25,14 @@ from lightning_scale.core.pipeline.partition import stage_ranks
 from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
-from lightning_scale.strategies._options import ParallelOptions
-from lightning_scale.strategies._pipeline import PIPELINE_SPEC_HOOK, pipeline_spec_of
+from lightning_scale.strategies.hybrid.options import ParallelOptions
+from lightning_scale.strategies.hybrid.pipeline_hooks import PIPELINE_SPEC_HOOK, example_batch, pipeline_spec_of
+from lightning_scale.strategies.hybrid.state import ParallelState
 
 __all__ = [
     "TENSOR_PARALLEL_PLAN_HOOK",
     "checkpointed_blocks",
+    "count_model_facts",
     "count_recomputation",
     "parallelize",
     "tensor_parallel_plan",
@@ -75,6 +70,29 @@ def tensor_parallel_plan(module: LightningModule, tp: int, options: ParallelOpti
 def _blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:
     hook = getattr(module, PIPELINE_SPEC_HOOK, None)
     return hook() if callable(hook) else find_registered_spec(module)
+
+
+def count_model_facts(
+    module: LightningModule, trainer: Trainer, options: ParallelOptions, state: ParallelState | None = None
+) -> ModelFacts:
+    """The whole model's facts, before it is cut (``state``: an earlier Trainer cut it; its facts, when
+    it counted them); FLOPs counted on meta tensors with one training batch's shapes
+    (``ModelFacts.measure``) when neither a hook nor a known config gives them, and what activation
+    checkpointing recomputes (:func:`count_recomputation`), when a callback wants them
+    (``needs_model_flops``: ``Throughput``)."""
+    if state is not None and state.facts is not None:
+        return state.facts
+    facts = ModelFacts.of(module)
+    wanted = any(getattr(callback, "needs_model_flops", False) for callback in trainer.callbacks)
+    recomputes = options.activation_checkpointing != "none"
+    if (facts.source == "none" or recomputes) and wanted and trainer.state.fn == TrainerFn.FITTING:
+        batch = example_batch(trainer)
+        if batch is not None:
+            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+            if facts.source == "none":
+                facts.measure(module, batch)
+            count_recomputation(module, options, facts, batch)
+    return facts
 
 
 def count_recomputation(module: LightningModule, options: ParallelOptions, facts: ModelFacts, batch: Any) -> None:
@@ -123,18 +141,31 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     device: torch.device,
-    tensor_parallel_plan: Callable[[LightningModule], dict[str, ParallelStyle | str]],
-    example_batch: Callable[[], Any],
+    timing_batch: Callable[[], Any],
     mp_policy: MixedPrecisionPolicy | None = None,
     facts: ModelFacts | None = None,
 ) -> PipelineRunner | None:
-    """Apply pipeline, tensor, activation-checkpointing, compile and FSDP2 data parallelism in place.
+    """Cut and shard ``module`` in place into this rank's part of ``layout``, in this order (each step
+    sees the module the previous one left, so e.g. FSDP shards the tensor-parallel shards):
+
+    1. pipeline: keep this rank's stage(s), removing the other stages' blocks (names unchanged);
+    2. tensor parallel: the plan (:func:`tensor_parallel_plan`), checked against the whole model,
+       applied to the modules kept;
+    3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block of each
+       pipeline rank's); which blocks are wrapped on all ranks goes into ``facts`` (``train/hfu``);
+    4. ``torch.compile`` of each block (optional);
+    5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
+       modules that run them (``mp_policy``: FSDP2's mixed precision, the precision plugin's).
+
+    Tensors created on the meta device stay there: the caller then materialises each rank's part
+    (:class:`~lightning_scale.strategies.hybrid.deferred.DeferredBuilder`). Plain data parallelism
+    (``dp`` only, ``data_parallel_mode="ddp"``) is not applied here: like Lightning's ``DDPStrategy``,
+    the strategy wraps the whole LightningModule in ``DistributedDataParallel`` for every Trainer call,
+    after that. A module is parallelised once; a later Trainer at the same layout adopts it
+    (:class:`~lightning_scale.strategies.hybrid.state.ParallelState`).
 
     Returns the pipeline runner when ``layout.pp > 1`` (its schedule is built by the caller).
-    ``example_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
-    ``mp_policy``: FSDP2's mixed precision for ``fully_shard`` (the precision plugin's).
-    ``facts``: the whole model's; their ``checkpointed_blocks`` are set to the blocks checkpointed on
-    every pipeline rank.
+    ``timing_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
     """
     found = _blocks_spec(module)
     needs_blocks = options.activation_checkpointing != "none" or options.compile
@@ -146,9 +177,9 @@ def parallelize(
         )
     # The plan is checked against the whole model (every key must match a module), then applied to
     # the modules this rank kept.
-    plan = resolve_plan(module, tensor_parallel_plan(module)) if layout.tp > 1 else {}
+    plan = resolve_plan(module, tensor_parallel_plan(module, layout.tp, options)) if layout.tp > 1 else {}
     runner = None
-    if layout.pp > 1:
+    if layout.pp > 1:  # 1. pipeline
         root_name, spec = pipeline_spec_of(module)
         runner = PipelineRunner(
             module.get_submodule(root_name) if root_name else module,
@@ -159,10 +190,10 @@ def parallelize(
             virtual_stages=options.virtual_stages,
             partition=options.partition,
             device=device,
-            example_batch=example_batch() if options.partition == "by_cost" else None,
+            example_batch=timing_batch() if options.partition == "by_cost" else None,
         )
         rank_zero_info(runner.describe())
-    if plan:
+    if plan:  # 2. tensor parallel
         kept = {n for n, _ in module.named_modules()}
         apply_tensor_parallel(module, mesh["tp"], {n: s for n, s in plan.items() if n in kept})
 
@@ -175,7 +206,7 @@ def parallelize(
         root = module.get_submodule(root_name) if root_name else module
         blocks = [root.get_submodule(b) for b in spec.blocks]
     mode, every = options.activation_checkpointing, options.activation_checkpointing_every
-    checkpointed = apply_activation_checkpointing(blocks, mode, every)
+    checkpointed = apply_activation_checkpointing(blocks, mode, every)  # 3. activation checkpointing
     if facts is not None:
         facts.checkpointed_blocks = checkpointed_blocks(
             _rank_blocks(runner) if runner is not None else [range(len(blocks))], mode, every
@@ -188,10 +219,10 @@ def parallelize(
         if share is not None:
             detail += f"; recomputing them adds {share:.1%} to the training FLOPs (FlopCounterMode, meta tensors)"
         rank_zero_info(f"Activation checkpointing ({mode}): {detail}")
-    if options.compile:
+    if options.compile:  # 4. compile
         compile_blocks(blocks)
 
-    if layout.dp > 1 and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):
+    if layout.dp > 1 and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):  # 5. data parallel
         if runner is not None:
             roots = runner.stage_modules()
         else:

@@ -2,38 +2,34 @@
 
 The mechanism (stages, schedules, tied weights, timing) is ``lightning_scale.core.pipeline.runner``;
 this module is the Lightning side: the ``pipeline_spec`` and ``pipeline_batch`` hooks, the batch
-used to time blocks for ``partition="by_cost"``, and the set-up checks and warning.
+used to time blocks for ``partition="by_cost"``, and the set-up checks and warning. The steps that run it are
+:mod:`.pipeline_steps`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec, with_registered_forward
-from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.integrations.huggingface import unsupported_pipeline_family
 
 __all__ = [
     "PIPELINE_BATCH_HOOK",
     "PIPELINE_SPEC_HOOK",
-    "PipelineRunner",
     "check_pipeline_module",
+    "describe_batches",
     "describe_loss",
-    "eval_step",
     "example_batch",
     "pipeline_batch",
     "pipeline_spec_of",
-    "training_step",
+    "timing_batch",
 ]
-
-StashedGrads = list[tuple[torch.Tensor, "torch.Tensor | None"]]
 
 PIPELINE_SPEC_HOOK = "pipeline_spec"
 """LightningModule method returning ``(root, spec)``: the name of the module whose ``forward``
@@ -71,7 +67,7 @@ def pipeline_spec_of(module: LightningModule) -> tuple[str, PipelineSpec]:
     return found
 
 
-def _describe_source(module: LightningModule, spec: PipelineSpec | None) -> str:
+def describe_batches(module: LightningModule, spec: PipelineSpec | None) -> str:
     if callable(getattr(module, PIPELINE_BATCH_HOOK, None)):
         return f"{type(module).__name__}.{PIPELINE_BATCH_HOOK}"
     if spec is not None and spec.split_batch is not None:
@@ -153,7 +149,7 @@ def check_pipeline_module(module: LightningModule, pipeline_parallel: int, loss_
     )
     rank_zero_warn(
         f"pipeline_parallel={pipeline_parallel}: {not_called} rank runs its stages, and the loss that trains is "
-        f"{describe_loss(spec)}. Batches: {_describe_source(module, spec)}. The strategy logs the loss as "
+        f"{describe_loss(spec)}. Batches: {describe_batches(module, spec)}. The strategy logs the loss as "
         f"{', '.join(repr(n) for n in loss_names.values())} (HybridParallelStrategy(loss_name=...)) and returns "
         "it from training_step; predict returns the model's output. Hooks, callbacks, optimizers, schedulers, "
         f"clipping and accumulation work as usual.{zero_grad}",
@@ -171,6 +167,25 @@ def describe_loss(spec: PipelineSpec) -> str:
         f"{_name(spec.loss_tokens)} (the sum over micro-batches divided once by the batch's count: {loss} of the "
         "whole batch)"
     )
+
+
+def timing_batch(
+    module: LightningModule, convert: Callable[[Any], Any], to_device: Callable[[Any], Any]
+) -> tuple[Any, Any]:
+    """``(inputs, target)`` of one batch of this Trainer call's data, prepared as the loops prepare a
+    batch before the step sees it (the precision plugin's ``convert``, the module's
+    ``on_before_batch_transfer``, ``to_device``), for timing blocks (``partition="by_cost"``)."""
+    batch = example_batch(module.trainer)
+    if batch is None:
+        raise ValueError(
+            "partition='by_cost' times every block on a real batch at set-up, but this Trainer call has no "
+            "batch to give (no datamodule or dataloaders, or an empty one). Pass the data to "
+            "fit/validate/test/predict, or use partition='by_params'."
+        )
+    batch = to_device(module._on_before_batch_transfer(convert(batch), dataloader_idx=0))
+    predicting = module.trainer.state.fn == TrainerFn.PREDICTING
+    inputs, target, _ = pipeline_batch(module, batch, predicting=predicting, spec=pipeline_spec_of(module)[1])
+    return inputs, target
 
 
 def example_batch(trainer: Trainer) -> Any:
@@ -202,65 +217,3 @@ def example_batch(trainer: Trainer) -> Any:
             return None if not batches_list or any(b is None for b in batches_list) else batches_list
         loaders = loaders[0] if loaders else None
     return None if loaders is None else next(iter(loaders), None)
-
-
-def _returned(loss: torch.Tensor, runner: PipelineRunner) -> torch.Tensor:
-    """The loss in the model's floating-point precision (float32 at least), as its own step would return it."""
-    dtype = next((p.dtype for p in runner.root.parameters() if p.is_floating_point()), torch.float32)
-    return loss.to(torch.promote_types(dtype, torch.float32))
-
-
-def _split(runner: PipelineRunner, module: LightningModule, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """:func:`pipeline_batch`; the first batch a runner sees is described once (the conventions a
-    model family's ``split_batch`` infers, like whether pair targets are shifted, are known by then)."""
-    parts = pipeline_batch(module, batch, spec=runner.spec)
-    if not runner.batches_described:
-        runner.batches_described = True
-        extra = f"; extra inputs every stage receives: {sorted(parts[2])}" if parts[2] else ""
-        rank_zero_info(f"Pipeline batches: {_describe_source(module, runner.spec)}{extra}")
-    return parts
-
-
-def training_step(
-    runner: PipelineRunner, module: LightningModule, batch: Any, optimizer: Any, loss_name: str, *, loss_scale: float = 1.0
-) -> tuple[torch.Tensor, StashedGrads]:
-    """Forward and backward of every micro-batch of ``batch``; returns the step's loss and the gradients
-    set aside from Lightning's ``zero_grad`` (to put back in ``backward``).
-
-    The schedule runs here, not in ``backward``, so that ``training_step`` returns the real loss
-    (callbacks see it as ``outputs["loss"]``). Lightning zeroes the gradients after
-    ``training_step`` on the first micro-step of an accumulation window: there the previous step's
-    gradients are released before the schedule runs (not held beside the new ones), and the new
-    ones are taken off the parameters until ``backward``.
-    """
-    trainer = module.trainer
-    inputs, target, kwargs = _split(runner, module, batch)
-    stashed: StashedGrads = []
-    if trainer.fit_loop._skip_backward:  # e.g. StochasticWeightAveraging's extra epoch: forward only
-        loss = runner.eval_step(inputs, target, kwargs)
-    else:
-        accumulate = trainer.accumulate_grad_batches
-        zeroed_after = trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0
-        params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
-        if zeroed_after:
-            for p in params:
-                p.grad = None
-        # The runner weighs the micro-batches into the batch's loss; each batch is a 1/accumulate share of
-        # the window's, times the precision plugin's loss scale.
-        loss = runner.train_step(inputs, target, loss_scale / accumulate, kwargs)
-        if zeroed_after:
-            stashed = [(p, p.grad) for p in params]
-            for p in params:
-                p.grad = None
-    # Already the mean over replicas on every rank (the pipeline's one collective): no sync_dist.
-    module.log(loss_name, loss, prog_bar=True)
-    return _returned(loss, runner), stashed
-
-
-def eval_step(runner: PipelineRunner, module: LightningModule, batch: Any, loss_name: str) -> torch.Tensor:
-    """Forward of every micro-batch of ``batch``; logs and returns its loss."""
-    inputs, target, kwargs = _split(runner, module, batch)
-    loss = runner.eval_step(inputs, target, kwargs)
-    # Already the mean over replicas, on every rank (the pipeline's one collective).
-    module.log(loss_name, loss, prog_bar=True)
-    return _returned(loss, runner)

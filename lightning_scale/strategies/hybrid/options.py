@@ -1,23 +1,35 @@
-"""Every option of ``HybridParallelStrategy``, checked when the strategy is built: before any
-process starts, a bad value raises ``ValueError`` naming the value, the rule and the fix."""
+"""Every option of ``HybridParallelStrategy``, declared once (name, default, what it does) and checked
+when the strategy is built: before any process starts, a bad value raises ``ValueError`` naming the
+value, the rule and the fix."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from difflib import get_close_matches
+from typing import Any, Literal, TypeVar
 
-from lightning_scale.core.checks import format_choices
+from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
 from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
 from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.parallel.layout import Layout, check_size
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 
-__all__ = ["LOSS_STAGES", "PARTITIONS", "ParallelOptions", "loss_names"]
+__all__ = ["LOSS_STAGES", "PARTITIONS", "PRESETS", "ParallelOptions", "loss_names"]
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hybrid": ("data x tensor x pipeline parallelism", {}),
+    "pipeline": ("pipeline parallelism over all processes", {"data_parallel": 1, "pipeline_parallel": "auto"}),
+    "tensor_parallel": ("tensor parallelism over all processes of a node", {"tensor_parallel": "auto"}),
+}
+"""The names ``HybridParallelStrategy`` registers with Lightning (``Trainer(strategy="pipeline")``): a
+description and the options each name sets."""
 
 PARTITIONS = ("by_layers", "by_params", "by_cost")
 LOSS_STAGES = ("train", "val", "test")
 Size = int | Literal["auto"]
+T = TypeVar("T")
 
 _NON_STRUCTURAL = frozenset(
     {
@@ -40,7 +52,9 @@ _NON_STRUCTURAL = frozenset(
         "gradient_as_bucket_view",
     }
 )
-_DDP_DEFAULTS = {"find_unused_parameters": False, "static_graph": False, "bucket_cap_mb": None, "gradient_as_bucket_view": False}
+_DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
+_SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+"""The options the strategy also takes positionally, in this order."""
 
 
 def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
@@ -74,42 +88,127 @@ def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
     raise TypeError(f"loss_name must be a string template or a mapping, got {type(loss_name).__name__}")
 
 
-def _positive_int(name: str, value: object, hint: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer{hint}.")
-
-
 @dataclass(frozen=True)
 class ParallelOptions:
+    """Every option of :class:`~lightning_scale.strategies.HybridParallelStrategy`, declared once: the
+    strategy's constructor takes these (the three sizes positionally too) and checks them here."""
+
     data_parallel: Size = "auto"
+    """Replicas of the model; ``"auto"`` fills the world."""
     tensor_parallel: Size = 1
+    """Ranks each layer is split over; ``"auto"``: the processes of one node."""
     pipeline_parallel: Size = 1
+    """Pipeline stages (``"auto"``: what data and tensor parallelism leave). Built with
+    ``torch.distributed.pipelining``; the model declares its blocks through a ``pipeline_spec`` hook or
+    the registry (the reference GPT is registered)."""
     data_parallel_mode: str = "ddp"
+    """``"ddp"`` (replicas; plain DDP when nothing else cuts the model, else FSDP2 ``replicate``),
+    ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded, ZeRO-3-like),
+    ``"fsdp_grad_op"`` (parameters kept gathered from forward to backward, ZeRO-2-like), ``"hsdp"``
+    (replicated over ``hsdp_replicate`` x sharded over ``hsdp_shard``)."""
     hsdp_replicate: Size = "auto"
+    """Replicas of ``"hsdp"`` (``"auto"``: one per node)."""
     hsdp_shard: Size = "auto"
+    """Shards of each ``"hsdp"`` replica (``"auto"``: the processes of one node)."""
     schedule: str = "1f1b"
+    """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"`` (``virtual_stages``
+    stages per rank, round robin), ``"zbv"`` and ``"dualpipev"`` (two stages per rank in a V: rank ``r``
+    runs stages ``r`` and ``2p - 1 - r``); torch's schedules."""
     microbatches: int | None = None
+    """Micro-batches per step; must divide the per-replica batch (default ``2 * pipeline_parallel``)."""
     virtual_stages: int = 2
+    """Stages per rank for the interleaved schedules (the blocks must divide into
+    ``pipeline_parallel * virtual_stages`` equal stages)."""
     partition: str = "by_layers"
+    """``"by_layers"`` (equal block counts), ``"by_params"`` (balanced parameter counts) or ``"by_cost"``
+    (blocks timed forward+backward on a real batch at set-up; slowest stage minimised)."""
     sequence_parallel: bool = True
+    """Shard norms and the residual stream on the sequence between layers (for plans that honour it,
+    like the reference GPT's)."""
     loss_parallel: bool = True
+    """Keep logits sharded on the vocabulary into the loss; training, validation and test steps and the
+    backward run under ``torch.distributed.tensor.parallel.loss_parallel``."""
     activation_checkpointing: str = "none"
+    """``"none"``, ``"full"`` (every block recomputes its activations in backward) or ``"selective"``
+    (every ``activation_checkpointing_every``-th block)."""
     activation_checkpointing_every: int = 2
+    """Which blocks ``"selective"`` activation checkpointing wraps: every k-th of each pipeline rank's."""
     compile: bool = False
+    """``torch.compile`` each block."""
     gradient_compression: str = "none"
+    """``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``: DDP communication hooks, for
+    ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism."""
     powersgd_rank: int = 1
+    """The rank of PowerSGD's low-rank gradients."""
     powersgd_start_iter: int = 10
+    """Steps PowerSGD runs uncompressed first."""
     loss_name: Any = "{stage}/loss"
+    """Where the pipeline's loss is logged (``pipeline_parallel > 1``, where the module's step methods are
+    not called): a template with ``{stage}`` (``"{stage}_loss"``) or a mapping from ``"train"``/``"val"``/
+    ``"test"`` to names; default ``train/loss``, ``val/loss``, ``test/loss``."""
     find_unused_parameters: bool = False
+    """Passed to ``DistributedDataParallel`` (plain data parallelism only; FSDP2 needs none of these four)."""
     static_graph: bool = False
+    """Passed to ``DistributedDataParallel``."""
     bucket_cap_mb: float | None = None
+    """Passed to ``DistributedDataParallel`` (``None``: DDP's 25)."""
     gradient_as_bucket_view: bool = False
+    """Passed to ``DistributedDataParallel``."""
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     @classmethod
     def names(cls) -> list[str]:
         """The options, in the order of the strategy's arguments."""
         return [f.name for f in fields(cls) if f.init]
+
+    @classmethod
+    def from_arguments(cls, sizes: tuple[Any, ...], options: Mapping[str, Any], *, owner: str) -> ParallelOptions:
+        """The options ``owner(*sizes, **options)`` was given: up to three sizes by position (``data_parallel``,
+        ``tensor_parallel``, ``pipeline_parallel``), every option by name; ``TypeError`` as Python's own for
+        a function with these parameters, naming the options when one is unknown."""
+        if len(sizes) > len(_SIZES):
+            raise TypeError(
+                f"{owner} takes at most {len(_SIZES)} positional arguments ({', '.join(_SIZES)}) but {len(sizes)} were "
+                "given; pass the other options by name."
+            )
+        names = cls.names()
+        unknown = [name for name in options if name not in names]
+        if unknown:
+            close = get_close_matches(unknown[0], names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(
+                f"{owner} got an unexpected keyword argument {unknown[0]!r}: {hint}its options are {', '.join(names)} "
+                "(lightning_scale.strategies.hybrid.options.ParallelOptions documents each)."
+            )
+        given = dict(zip(_SIZES, sizes))
+        twice = [name for name in given if name in options]
+        if twice:
+            raise TypeError(f"{owner} got multiple values for argument {twice[0]!r}.")
+        return cls(**given, **options)
+
+    @classmethod
+    def spelled_out(cls, strategy: type[T]) -> type[T]:
+        """Class decorator: ``strategy.__init__(self, *sizes, ..., **options)`` gets :meth:`signature`."""
+        strategy.__init__.__signature__ = cls.signature(strategy.__init__)  # type: ignore[misc]
+        return strategy
+
+    @classmethod
+    def signature(cls, init: Callable[..., Any]) -> inspect.Signature:
+        """``init``'s signature with its ``*sizes`` and ``**options`` spelled out as these options (for
+        ``inspect.signature``, ``help`` and the configs' checks): the sizes positional or by name, the
+        others keyword-only, each with its default."""
+        kinds = {name: inspect.Parameter.POSITIONAL_OR_KEYWORD for name in _SIZES}
+        options = [
+            inspect.Parameter(f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=f.default, annotation=f.type)
+            for f in fields(cls)
+            if f.init
+        ]
+        own = inspect.signature(init).parameters.values()
+        fixed = [p for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        first = [p for p in fixed if p.kind is not p.KEYWORD_ONLY]
+        return inspect.Signature(
+            [*first, *options, *(p for p in fixed if p.kind is p.KEYWORD_ONLY)], return_annotation=None
+        )
 
     def __post_init__(self) -> None:
         for name in ("sequence_parallel", "loss_parallel", "compile"):
@@ -120,9 +219,9 @@ class ParallelOptions:
         for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
-        cap = self.bucket_cap_mb
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
-            raise ValueError(f"bucket_cap_mb={cap!r} must be a positive number of megabytes (or None for DDP's 25).")
+        if self.bucket_cap_mb is not None:
+            fix = "Pass None for DDP's default of 25."
+            check_positive_number("bucket_cap_mb", self.bucket_cap_mb, unit="megabytes", fix=fix)
         for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "hsdp_replicate", "hsdp_shard"):
             check_size(name, getattr(self, name))
         mode = self.data_parallel_mode
@@ -156,22 +255,22 @@ class ParallelOptions:
                         f"gradient_compression={self.gradient_compression!r} applies to plain data parallelism "
                         f"(DistributedDataParallel's communication hooks); {name}={getattr(self, name)!r} must be 1."
                     )
-        _positive_int("powersgd_rank", self.powersgd_rank)
-        _positive_int("powersgd_start_iter", self.powersgd_start_iter)
+        check_positive_int("powersgd_rank", self.powersgd_rank)
+        check_positive_int("powersgd_start_iter", self.powersgd_start_iter)
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
                 f"{format_choices(ACTIVATION_CHECKPOINTING)} (selective: every activation_checkpointing_every-th block)."
             )
-        _positive_int("activation_checkpointing_every", self.activation_checkpointing_every)
+        check_positive_int("activation_checkpointing_every", self.activation_checkpointing_every)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline schedule {self.schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
-        _positive_int("virtual_stages", self.virtual_stages, " (stages per rank when interleaved)")
+        check_positive_int("virtual_stages", self.virtual_stages, fix="It is the number of stages per rank of an interleaved schedule.")
         stages_per_rank(self.schedule, self.virtual_stages)  # interleaved schedules need virtual_stages >= 2
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition={self.partition!r} is not one of {format_choices(PARTITIONS)}.")
         if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches, " (or None for 2 x pipeline_parallel)")
+            check_positive_int("microbatches", self.microbatches, fix="Pass None for 2 x pipeline_parallel.")
             if isinstance(self.pipeline_parallel, int):
                 check_schedule_microbatches(self.schedule, self.pipeline_parallel, self.microbatches)
 
@@ -197,9 +296,15 @@ class ParallelOptions:
         """``{"train": ..., "val": ..., "test": ...}``: where the pipeline's loss is logged."""
         return dict(self._loss_names)
 
-    def ddp_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``DistributedDataParallel`` (the options left at their defaults omitted)."""
-        return {k: getattr(self, k) for k, default in _DDP_DEFAULTS.items() if getattr(self, k) != default}
+    def ddp_kwargs(self, *, hooks: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel`` (the options left at their defaults omitted);
+        ``hooks``: with the communication hook's (``compression``, ``powersgd_*``: ``wrap_ddp``'s)."""
+        defaults = {f.name: f.default for f in fields(self) if f.name in _DDP_OPTIONS}
+        kwargs = {k: getattr(self, k) for k, default in defaults.items() if getattr(self, k) != default}
+        if hooks:
+            kwargs |= {"compression": self.gradient_compression, "powersgd_rank": self.powersgd_rank}
+            kwargs["powersgd_start_iter"] = self.powersgd_start_iter
+        return kwargs
 
     def structural_differences(self, other: ParallelOptions, layout: Layout) -> list[str]:
         """Options that decide how a module is cut and wrapped at ``layout`` and differ between ``self``

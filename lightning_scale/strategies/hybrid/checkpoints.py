@@ -1,0 +1,272 @@
+"""Checkpoints of ``HybridParallelStrategy``: sharded, every rank saving and loading only what it
+holds (:class:`~lightning_scale.plugins.ShardedCheckpointIO`), resharding on load.
+
+The state itself (DCP's sharded state dicts under the original names, tied weights once) is
+:class:`lightning_scale.core.checkpoint.sharded_state.ShardedState`. Here: the IO plugin the strategy
+needs, which checkpoint ``"latest"`` and an automatic resume mean, the manifest a save adds, and a
+load of a whole-state file (``torch.save``, e.g. from a single-device run), memory-mapped so each
+rank copies out its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
+from lightning_scale.core.checkpoint.sharded_state import ShardedState
+from lightning_scale.core.checkpoint.ties import names_under
+from lightning_scale.core.checkpoint.storage import RemotePath
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.pipeline.runner import PipelineRunner
+from lightning_scale.integrations.huggingface import is_hf_model
+from lightning_scale.plugins._rng import restore_rng_states
+from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
+from lightning_scale.plugins.preemption import PreemptionCheckpoint
+
+__all__ = ["ShardedCheckpoints", "sharded_state"]
+
+_RESOLVER = "_lightning_scale_resolves_ckpt_path"
+
+
+def sharded_state(module: LightningModule, runner: PipelineRunner | None) -> ShardedState:
+    """The sharded state of ``module`` as ``runner`` (``None``: no pipeline) cut it: a pipeline knows the
+    names of each weight tied across its stages (a rank may hold one copy only)."""
+    return ShardedState(module, names_under(module, runner.root, runner.tied_groups) if runner is not None else None)
+
+
+class ShardedCheckpoints:
+    """Saving and loading through the strategy's checkpoint IO plugin (``io``, as the strategy has it
+    when asked: a user may set another one later), every rank taking part.
+
+    State: ``resumed_by_latest``, the checkpoint ``"latest"`` (or an automatic resume) chose for the
+    running ``fit``: loading it makes this run continue that checkpoint's run.
+    """
+
+    def __init__(self) -> None:
+        self.resumed_by_latest: str | None = None
+
+    @staticmethod
+    def sharded(io: CheckpointIO) -> ShardedCheckpointIO:
+        """``io``; ``ValueError`` unless it writes sharded checkpoints."""
+        if not isinstance(io, ShardedCheckpointIO):
+            raise ValueError(
+                f"HybridParallelStrategy saves and loads sharded checkpoints, with every rank writing its own part; "
+                f"checkpoint_io={type(io).__name__} writes whole files from one rank. Use "
+                "lightning_scale.plugins.ShardedCheckpointIO (the default; it has async saves and retention of its own)."
+            )
+        return io
+
+    # ------------------------------------------------------------------ which checkpoint
+
+    def install_path_resolver(self, trainer: Trainer) -> None:
+        """``ckpt_path="latest"``, and ``ckpt_path=None`` after a restart (``auto_resume``), become the newest
+        checkpoint that verifies. Lightning passes the path to ``resume_start`` only, so that is wrapped,
+        once per Trainer; the path is resolved with the plugin its strategy has then."""
+        self.sharded(trainer.strategy.checkpoint_io)
+        connector = trainer._checkpoint_connector
+        if getattr(connector, _RESOLVER, False):
+            return
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            resolved = self.resolve_ckpt_path(trainer, trainer.strategy.checkpoint_io, checkpoint_path)
+            return original(resolved, weights_only=weights_only)
+
+        connector.resume_start = resume_start
+        setattr(connector, _RESOLVER, True)
+
+    def resolve_ckpt_path(self, trainer: Trainer, checkpoint_io: CheckpointIO, path: Any) -> Any:
+        """``"latest"`` (and an automatic resume): the checkpoint ``ShardedCheckpointIO.latest`` names.
+        ``fit`` needs a full checkpoint; ``validate``/``test``/``predict`` may take a weights-only one.
+        A fit that resumes this way continues the checkpoint's run (``ShardedCheckpointIO.continue_run``)."""
+        io = self.sharded(checkpoint_io)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.resumed_by_latest = None
+        wanted = path == "latest" or (
+            path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and restarted()))
+        )
+        if not wanted:
+            return path
+        roots = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks]
+        found = io.latest(roots, weights_only=not fitting)
+        if found is not None and fitting:
+            self.resumed_by_latest = str(found)
+        if found is None:
+            where = ", ".join(str(r) for r in io.search_roots(roots)) or "(no ModelCheckpoint dirpath, no dirpath)"
+            if path == "latest":
+                rank_zero_warn(f'ckpt_path="latest": no checkpoint that verifies in {where}; starting from scratch.')
+            return None
+        if path is None:
+            rank_zero_info(f"Resuming from the latest checkpoint, {found} (auto_resume={io.auto_resume!r}).")
+        return str(found)
+
+    def add_preemption_checkpoint(self, trainer: Trainer, io: CheckpointIO) -> None:
+        """A ``PreemptionCheckpoint`` for a ``fit`` that has none (``ShardedCheckpointIO(preemption=False)``: never)."""
+        if self.sharded(io).preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self,
+        checkpoint_io: CheckpointIO,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        state: ShardedState,
+        *,
+        layout: Layout,
+        data_parallel_mode: str,
+        storage_options: Any | None = None,
+    ) -> None:
+        """Every rank writes its own shards; the manifest records the layout, the wandb run, the tied
+        weights (``state.groups()``: stored once under the first name; a whole-model load gives every
+        name the tensor), a Hugging Face model's config, and ``storage_options`` (a mapping of JSON values)."""
+        io = self.sharded(checkpoint_io)
+        io.process_group = None
+        module = state.module
+        manifest: dict[str, Any] = {
+            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "data_parallel_mode": data_parallel_mode},
+            "wandb_run_id": _wandb_run_id(module),
+            "tied": state.groups(),
+            "huggingface": _huggingface(module),
+        }
+        if storage_options is not None:
+            if not isinstance(storage_options, Mapping):
+                raise TypeError(
+                    f"storage_options={storage_options!r}: HybridParallelStrategy stores a mapping of JSON values in the "
+                    "checkpoint's manifest (under 'storage_options'); pass a dict or None."
+                )
+            manifest["storage_options"] = dict(storage_options)
+        io.save_checkpoint(checkpoint, filepath, storage_options=manifest)
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self,
+        checkpoint_io: CheckpointIO,
+        checkpoint_path: Any,
+        weights_only: bool | None,
+        state: ShardedState,
+        optimizers: list[Any],
+        *,
+        layout: Layout,
+        world_size: int,
+    ) -> dict[str, Any]:
+        """A whole-state file (``torch.save``, local or at a URL) as it is, or a sharded checkpoint into
+        what this rank holds: ``state``'s module (a LightningModule, loaded as strictly as it asks) and,
+        for ``fit``, ``optimizers``' states, reshaped as this rank holds them."""
+        io = self.sharded(checkpoint_io)
+        whole = self._load_file(io, checkpoint_path, weights_only)
+        if whole is not None:
+            return whole
+        module = state.module
+        fitting = module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
+        template: dict[str, Any] = {"state_dict": state.model_state()}
+        if fitting and optimizers:
+            template["optimizer_states"] = [state.optimizer_state(o) for o in optimizers]
+        at = {"layout": layout, "world_size": world_size}
+        return self._load_sharded(io, checkpoint_path, template, strict=module.strict_loading, fitting=fitting, **at)
+
+    @staticmethod
+    def _load_file(io: ShardedCheckpointIO, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
+        """A whole-state file, loaded on every rank; ``None`` for a sharded checkpoint (a directory)."""
+        path = io.as_path(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else None
+        if isinstance(path, RemotePath) and path.is_file():
+            with path.open("rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=weights_only)
+        if isinstance(path, Path) and path.is_file():
+            # Memory-mapped, so each rank reads only the pages it keeps.
+            if zipfile.is_zipfile(path):
+                return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return None
+
+    def _load_sharded(
+        self,
+        io: ShardedCheckpointIO,
+        checkpoint_path: Any,
+        template: dict[str, Any],
+        *,
+        strict: bool,
+        fitting: bool,
+        layout: Layout,
+        world_size: int,
+    ) -> dict[str, Any]:
+        """A ``fit`` records where it resumed from; random-number states are restored at the saving layout only."""
+        io.process_group = None
+        checkpoint = io.load_checkpoint(checkpoint_path, template=template, strict=strict)
+        info = checkpoint["lightning_scale"]
+        if fitting:
+            io.resumed_from = io.as_path(info["path"])
+            if self.resumed_by_latest == info["path"]:
+                io.continue_run(info["manifest"])
+        _restore_rng(info, layout, world_size)
+        return checkpoint
+
+    @staticmethod
+    def load_model_state(state: ShardedState, checkpoint: Mapping[str, Any], *, strict: bool, partial: bool) -> None:
+        """The checkpoint's model state into ``state.module``: a whole-state file's (each rank copying out
+        what it holds), or a sharded checkpoint's. ``partial``: a pipeline stage takes the entries it holds."""
+        if "lightning_scale" not in checkpoint:
+            load_full_model_state(state.module, checkpoint["state_dict"], strict=strict, partial=partial)
+        else:
+            state.load_model_state(checkpoint["state_dict"], strict=strict, partial=partial)
+
+    @staticmethod
+    def load_optimizer_states(
+        state: ShardedState, optimizers: list[Any], checkpoint: Mapping[str, Any], *, partial: bool
+    ) -> None:
+        """The checkpoint's optimizer states into ``optimizers`` (in order), as :meth:`load_model_state`."""
+        states = checkpoint["optimizer_states"]
+        if "lightning_scale" not in checkpoint:
+            for optimizer, saved in zip(optimizers, states, strict=True):
+                load_full_optimizer_state(state.module, optimizer, saved, partial=partial)
+            return
+        if len(states) != len(optimizers):
+            raise ValueError(
+                f"The checkpoint has {len(states)} optimizer states and configure_optimizers built {len(optimizers)}."
+            )
+        for optimizer, saved in zip(optimizers, states):
+            state.load_optimizer_state(optimizer, saved)
+
+
+def _restore_rng(info: Mapping[str, Any], layout: Layout, world_size: int) -> None:
+    saved = info["manifest"].get("layout", {})
+    here = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}
+    same = {k: saved.get(k) for k in here} == here and info["manifest"].get("world_size") == world_size
+    if same and info.get("rng") is not None:
+        restore_rng_states(info["rng"])
+    elif not same:
+        rank_zero_info(
+            f"The checkpoint was saved at {saved}; this run is {here}: random-number states are not restored "
+            "(each rank keeps its own seed)."
+        )
+
+
+def _huggingface(module: LightningModule) -> dict[str, Any] | None:
+    """The Hugging Face model inside ``module`` (its name, class and config), for ``consolidate`` to write HF files."""
+    for name, sub in module.named_modules():
+        if is_hf_model(sub):
+            return {"prefix": name, "class": type(sub).__name__, "config": json.loads(sub.config.to_json_string())}
+    return None
+
+
+def _wandb_run_id(module: LightningModule) -> str | None:
+    trainer = module._trainer
+    for logger in getattr(trainer, "loggers", None) or []:
+        if type(logger).__name__ == "WandbLogger":
+            experiment = getattr(logger, "_experiment", None)
+            run_id = getattr(experiment, "id", None) or getattr(logger, "_id", None)
+            return str(run_id) if run_id else None
+    return None

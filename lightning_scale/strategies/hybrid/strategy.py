@@ -1,0 +1,399 @@
+"""``HybridParallelStrategy``: data x pipeline x tensor parallelism on one named DeviceMesh."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from typing_extensions import override
+
+import lightning_scale.strategies.hybrid.collectives as collectives
+from lightning_scale.core.checkpoint.sharded_state import ShardedState
+from lightning_scale.core.parallel.data_parallel import check_not_wrapped, gradient_sync_blocked, wrap_ddp
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.pipeline.runner import PipelineRunner
+from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_norm
+from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.plugins._stock import as_mesh_precision
+from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_scale.plugins.precision import MixedPrecision
+from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state
+from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
+from lightning_scale.strategies.hybrid.mesh import LayoutMesh
+from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
+from lightning_scale.strategies.hybrid.parallelize import count_model_facts, parallelize
+from lightning_scale.strategies.hybrid.pipeline_hooks import check_pipeline_module, timing_batch
+from lightning_scale.strategies.hybrid.pipeline_steps import PipelineSteps
+from lightning_scale.strategies.hybrid.state import ParallelState
+
+__all__ = ["HybridParallelStrategy"]
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+
+
+@ParallelOptions.spelled_out  # the signature lists every option (inspect, help, the configs' checks)
+class HybridParallelStrategy(ParallelStrategy):
+    """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
+
+    One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (``hsdp`` splits
+    ``dp`` into ``("dp_replicate", "dp_shard")``); the sampler Lightning injects splits data over ``dp``.
+    The model is cut and wrapped by :func:`.parallelize.parallelize`, whose docstring gives the order;
+    :mod:`lightning_scale.strategies.hybrid` says what the model provides, how precision and gradient
+    accumulation behave, and which collaborator does what.
+
+    Args:
+        data_parallel, tensor_parallel, pipeline_parallel: by position or name; then, by name only,
+            ``data_parallel_mode``, ``schedule``, ``microbatches`` and the others: every option is declared
+            once, with its default and what it does, in :class:`.options.ParallelOptions` (``inspect.signature``
+            lists them here) and checked before any process starts.
+        checkpoint_io: a :class:`~lightning_scale.plugins.ShardedCheckpointIO` (the default).
+        process_group_backend, timeout: the process group's (default backend: gloo on CPU, NCCL on GPU).
+        accelerator, parallel_devices, cluster_environment, precision_plugin: Lightning's.
+    """
+
+    strategy_name = "hybrid"
+    is_distributed = True  # else Lightning injects no sampler and `self.log(sync_dist=True)` does not reduce
+
+    def __init__(
+        self,
+        *sizes: int | str,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        self._default_precision = MixedPrecision("32-true")  # without a plugin from the strategy or Trainer
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )  # fmt: skip
+        self.options = ParallelOptions.from_arguments(sizes, options, owner=type(self).__name__)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1  # Lightning's accelerator connector sets it from Trainer(num_nodes=...)
+        self._mesh = LayoutMesh()
+        self._model_facts: ModelFacts | None = None
+        self._steps = PipelineSteps(self.options.loss_names)
+        self._checkpoints = ShardedCheckpoints()
+        self._deferred = DeferredBuilder()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._mesh.mesh
+
+    @property
+    def layout(self) -> Layout:
+        return self._mesh.layout
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's pipeline stages and schedule (``None`` without pipeline parallelism)."""
+        return self._steps.runner
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        """The whole model's parameter counts and FLOPs per token, taken before it was cut (equal everywhere)."""
+        if self._model_facts is None:
+            raise RuntimeError("The model's facts are known once the strategy set it up (Trainer.fit/validate/...).")
+        return self._model_facts
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.device_mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights load into the parallelised model, optimizer state into the real optimizers.
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def precision_plugin(self) -> MixedPrecision:
+        """Always a :class:`~lightning_scale.plugins.MixedPrecision`: Lightning's stock plugins (what
+        ``Trainer(precision="bf16-mixed")`` builds) are replaced by the equivalent one, others refused."""
+        plugin = self._precision_plugin if self._precision_plugin is not None else self._default_precision
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # None stays None: Lightning's connector reads `_precision_plugin` to tell a plugin given to the
+        # strategy from one given to the Trainer.
+        self._precision_plugin = None if precision_plugin is None else as_mesh_precision(precision_plugin)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    # ------------------------------------------------------------------ set-up
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        collectives.init_world(self.cluster_environment, self._process_group_backend, self.world_size, self._timeout)
+        module = self.lightning_module
+        assert module is not None
+        sizes = {"world_size": self.world_size, "devices_per_node": self.num_processes, "num_nodes": self.num_nodes}
+        self._mesh.setup(module, self.options, **sizes, device_type=self.root_device.type)
+        # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
+        module._device_mesh = self.device_mesh
+        if module._trainer is not None:
+            self._checkpoints.install_path_resolver(module._trainer)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self.layout.pp > 1:
+            # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
+            check_pipeline_module(module, self.layout.pp, self.options.loss_names)
+        self.model = self.precision_plugin.convert_module(self.model)
+        cut_before = ParallelState.of(module, self.layout, None, None)
+        self._model_facts = count_model_facts(module, trainer, self.options, cut_before)
+        self._deferred.plan_or_move(module, self.root_device, self.model_to_device)
+        self._parallelize(module)
+        plugin = self.precision_plugin
+        plugin.device = self.root_device.type
+        # Clipping, train/grad_norm and the overflow decision: one all-reduce over the whole mesh (shards
+        # count once per holder, copies once, each pipeline stage its own, tied copies once).
+        excluded = self.pipeline.excluded_from_norm() if self.pipeline is not None else ()
+        plugin.gradient_scope = GradientScope(self.device_mesh, stage_dim="pp", excluded=excluded)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+            self._checkpoints.add_preemption_checkpoint(trainer, self.checkpoint_io)
+        self.setup_precision_plugin()
+
+    def _parallelize(self, module: LightningModule) -> None:
+        """Cut a module no Trainer cut yet (:func:`parallelize`, then its meta tensors are materialised) or adopt
+        an earlier Trainer's; then make what every Trainer call remakes: pipeline schedules, the DDP wrapper."""
+        o, layout, plugin = self.options, self.layout, self.precision_plugin
+        # With FSDP2 sharding, mixed precision is FSDP2's own policy (parameters cast for compute,
+        # fp32 shards), not autocast over fp32 shards.
+        policy = plugin.fsdp_policy() if layout.dp > 1 and o.data_parallel_mode != "ddp" else None
+        state = ParallelState.adopted(module, layout, policy, plugin.precision)
+        if state is None:
+            check_not_wrapped(module)
+            batch = partial(timing_batch, module, plugin.convert_input, self.batch_to_device)
+            device, facts = self.root_device, self._model_facts
+            kwargs = {"device": device, "timing_batch": batch, "mp_policy": policy, "facts": facts}
+            runner = parallelize(module, o, layout, self.device_mesh, **kwargs)
+            if ParallelState.needed(layout, o):
+                ParallelState(layout, self._mesh.hsdp, o, self.device_mesh, runner, policy, facts).attach(module)
+            self._deferred.materialize(module, device, runner.stage_modules() if runner is not None else ())
+        self._steps.runner = runner = state.pipeline if state is not None else runner
+        plugin.fsdp_managed = policy is not None
+        if runner is not None:
+            # Fresh stages and schedules for this Trainer call: its micro-batch count and batch shape.
+            runner.build(o.microbatches or 2 * layout.pp)
+        if ParallelOptions.plain_ddp(layout, o.data_parallel_mode):
+            # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the base
+            # strategy redirects training_step through the wrapper so its hooks run.
+            backend = self.process_group_backend
+            self.model = wrap_ddp(module, self.device_mesh["dp"], backend=backend, **o.ddp_kwargs(hooks=True))
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Modules created here go on the meta device unless ``empty_init=False`` (:class:`.DeferredBuilder`)."""
+        with self._deferred.init_context(self.root_device, self.precision_plugin.tensor_init_context, empty_init):
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss_context(self) -> contextlib.AbstractContextManager[None]:
+        # Vocabulary-sharded logits into the loss (loss_parallel); its backward must run inside too.
+        return loss_parallel() if self.options.loss_parallel and self.layout.tp > 1 else contextlib.nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            with self._loss_context():
+                return super().training_step(*args, **kwargs)
+        # The precision plugin's autocast (Lightning's own steps enter it around the module's step);
+        # with fp16 each micro-batch loss is multiplied by its loss scale inside the schedule.
+        plugin, batch = self.precision_plugin, args[0] if args else kwargs["batch"]
+        with plugin.train_step_context(), self._loss_context():
+            optimizer = self.optimizers[0] if self.optimizers else None
+            return self._steps.train(self.lightning_module, batch, optimizer, loss_scale=plugin.loss_scale)
+
+    @override
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is None:
+            with self._loss_context():
+                return super().backward(closure_loss, *args, **kwargs)
+        # The schedule ran the backward in training_step (each micro-batch loss multiplied by the
+        # plugin's loss scale); the hooks run here, around the gradients it set aside.
+        self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._steps.put_back_grads()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No data-parallel gradient reduction (nor tied-weight sum) on accumulation micro-steps:
+        Lightning enters this around every micro-step but the last of a window."""
+        pipelined = self.pipeline is not None
+        blocked = self._steps.grad_sync_blocked() if pipelined else gradient_sync_blocked(self.lightning_module)
+        with blocked, super().block_backward_sync():  # DistributedDataParallel's no_sync
+            yield
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("val", self.precision_plugin.val_step_context, super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test", self.precision_plugin.test_step_context, super().test_step, args, kwargs)
+
+    def _eval_step(self, stage: str, context: Any, module_step: Any, args: Any, kwargs: Any) -> Any:
+        """The pipeline's forward-only step under the precision plugin's ``context``, else the module's own."""
+        if self.pipeline is not None:
+            with context(), self._loss_context():
+                return self._steps.evaluate(self.lightning_module, args[0], stage)
+        with self._loss_context():
+            return module_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            return self._steps.predict(self.lightning_module, args[0], self.precision_plugin.predict_step_context)
+        # Vocabulary-sharded outputs (loss_parallel) are returned whole, as one process would.
+        return apply_to_collection(super().predict_step(*args, **kwargs), DTensor, lambda t: t.full_tensor())
+
+    def gradient_norm(self, optimizer: Any, norm_type: float = 2.0) -> Tensor:
+        """The norm of the whole model's gradients (every shard, replica and stage), equal on every rank."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return model_grad_norm(params, self.precision_plugin.gradient_scope, norm_type)
+
+    # ------------------------------------------------------------------ collectives, over the world
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        collectives.barrier(self.root_device if self.parallel_devices is not None else None)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return collectives.reduce(tensor, group, reduce_op)
+
+    # ------------------------------------------------------------------ checkpoints: each rank its part
+
+    def _sharded_state(self) -> ShardedState:
+        return sharded_state(self.lightning_module, self.pipeline)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._sharded_state().model_state()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._sharded_state().optimizer_state(_unwrapped(optimizer))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its own shards (Lightning's base class writes on rank 0 only)."""
+        state, mode = self._sharded_state(), self.options.data_parallel_mode
+        at = {"layout": self.layout, "data_parallel_mode": mode}
+        self._checkpoints.save(self.checkpoint_io, checkpoint, filepath, state, **at, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        state, optimizers = self._sharded_state(), [_unwrapped(o) for o in self.optimizers]
+        at = {"layout": self.layout, "world_size": self.world_size}
+        return self._checkpoints.load(self.checkpoint_io, checkpoint_path, weights_only, state, optimizers, **at)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self._checkpoints.load_model_state(self._sharded_state(), checkpoint, strict=strict, partial=self.layout.pp > 1)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        optimizers, partial_load = [_unwrapped(o) for o in self.optimizers], self.layout.pp > 1
+        self._checkpoints.load_optimizer_states(self._sharded_state(), optimizers, checkpoint, partial=partial_load)
+
+    @override
+    def teardown(self) -> None:  # not the base class's: it would move the sharded model to the CPU
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()  # joins an AsyncCheckpointIO and raises what its saves raised
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, (description, options) in PRESETS.items():
+            strategy_registry.register(name, cls, description=f"{description} (lightning-scale)", **options)
