@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_scale.core.pipeline import runner as runner_module
+from lightning_scale.core.pipeline import block_costs
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.pipeline.spec import PipelineSpec, StageForward, labelled_tokens
 
@@ -247,7 +247,7 @@ def test_by_cost_cuts_on_the_measured_block_times(world_of_one: DeviceMesh, monk
         measured.append((batch, microbatches))
         return [0.25, 0.5, 0.125, 0.125], 0.0625, 0.03125
 
-    monkeypatch.setattr(runner_module, "measure_costs", measure_costs)
+    monkeypatch.setattr(block_costs, "measure_costs", measure_costs)
     batch = _batch(4)
     runner = _runner(_Net(), world_of_one, "interleaved_1f1b", partition="by_cost", example_batch=batch)
     assert measured == [(batch, 2)]

@@ -8,12 +8,14 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_scale.core.parallel.deferred_init import has_meta_tensors
+from lightning_scale.core.pipeline.partition import Partition, balanced_partition, partition_by_layers
 from lightning_scale.core.pipeline.spec import PipelineSpec
 
-__all__ = ["measure_costs", "synchronize"]
+__all__ = ["cut_model", "measure_costs", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -153,3 +155,33 @@ def _measure(
     first = timed(list(spec.first)) if spec.first else 0.0
     last = timed(list(spec.last), with_loss=True) if spec.last else 0.0
     return weights, first, last
+
+
+def cut_model(
+    root: nn.Module, spec: PipelineSpec, kind: str, num_stages: int, microbatches: int, example_batch: Any,
+    device: torch.device,
+) -> Partition:
+    """Cut ``spec``'s blocks into ``num_stages`` stages: ``by_layers`` (equal block counts), ``by_params``
+    (balanced parameter counts) or ``by_cost`` (blocks timed on ``example_batch``, an ``(inputs, target)``
+    pair, split into ``microbatches``; collective: every rank of the world takes the slowest timing of
+    each piece, so all cut alike)."""
+    if kind == "by_cost":
+        inputs, target = example_batch
+        if isinstance(inputs, tuple):
+            raise ValueError("partition='by_cost' times blocks on a single inputs tensor; use 'by_params'.")
+        weights, first, last = measure_costs(root, spec, (inputs, target), microbatches)
+        # Timings differ between ranks; every rank of the mesh must cut the same way (not just the
+        # ranks of one pipeline: replicas and tensor-parallel peers must hold the same blocks too).
+        costs = torch.tensor([*weights, first, last], dtype=torch.float64, device=device)
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+        *weights, first, last = costs.tolist()
+        return balanced_partition(weights, num_stages, first, last)
+
+    def params(names: Any) -> float:
+        return float(sum(p.numel() for n in names for p in root.get_submodule(n).parameters()))
+
+    weights = [params([b]) for b in spec.blocks]
+    first, last = params(spec.first), params(spec.last)
+    if kind == "by_layers":
+        return partition_by_layers(len(weights), num_stages, weights, first, last)
+    return balanced_partition(weights, num_stages, first, last)

@@ -28,16 +28,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_scale.core.pipeline.block_costs import measure_costs
+from lightning_scale.core.pipeline.block_costs import cut_model
 from lightning_scale.core.parallel.modules import tied_parameter_groups
 from lightning_scale.core.pipeline.partition import (
     V_SHAPED,
-    Partition,
-    balanced_partition,
     bubble_fraction,
     check_schedule_microbatches,
     check_stage_blocks,
-    partition_by_layers,
     stage_ranks,
 )
 from lightning_scale.core.pipeline.spec import (
@@ -113,7 +110,7 @@ class PipelineRunner:
         if partition == "by_cost" and example_batch is None:
             raise ValueError("partition='by_cost' times every block on a real batch, but no example batch was given.")
         self.partition_kind = partition
-        self.partition = self._partition(root, spec, partition, example_batch)
+        self.partition = cut_model(root, spec, partition, self.num_stages, self.microbatches, example_batch, self.device)
         ranks = stage_ranks(schedule, self.pp_size, self.num_stages)
         self.local_stages = [s for s in range(self.num_stages) if ranks[s] == self.pp_rank]
         self.is_first = 0 in self.local_stages
@@ -247,28 +244,6 @@ class PipelineRunner:
             if owner(block):
                 return next(s for s in range(self.num_stages) if b in self.partition.blocks(s))
         return None
-
-    def _partition(self, root: nn.Module, spec: PipelineSpec, kind: str, example_batch: Any) -> Partition:
-        if kind == "by_cost":
-            inputs, target = example_batch
-            if isinstance(inputs, tuple):
-                raise ValueError("partition='by_cost' times blocks on a single inputs tensor; use 'by_params'.")
-            weights, first, last = measure_costs(root, spec, (inputs, target), self.microbatches)
-            # Timings differ between ranks; every rank of the mesh must cut the same way (not just the
-            # ranks of one pipeline: replicas and tensor-parallel peers must hold the same blocks too).
-            costs = torch.tensor([*weights, first, last], dtype=torch.float64, device=self.device)
-            dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-            *weights, first, last = costs.tolist()
-            return balanced_partition(weights, self.num_stages, first, last)
-
-        def params(names: Any) -> float:
-            return float(sum(p.numel() for n in names for p in root.get_submodule(n).parameters()))
-
-        weights = [params([b]) for b in spec.blocks]
-        first, last = params(spec.first), params(spec.last)
-        if kind == "by_layers":
-            return partition_by_layers(len(weights), self.num_stages, weights, first, last)
-        return balanced_partition(weights, self.num_stages, first, last)
 
     def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
         clash = sorted(set(kwargs) & set(_STEP_ARGUMENTS))
