@@ -8,8 +8,9 @@ __all__ = ["MIN_TORCH", "check_torch_version"]
 
 MIN_TORCH = (2, 13)
 """Must equal the floor of ``torch`` in pyproject.toml (a test checks). 2.13 is the release the
-package is built and tested against; the pipeline code also relies on schedules (DualPipeV) and on
-private parts of ``torch.distributed.pipelining`` (the lowered ZB-V order) of that release."""
+package is built and tested against; the pipeline code also relies on schedules (DualPipeV) of that
+release. Every private torch API used is in :mod:`lightning_scale.core.compat`, whose canaries
+(``tests/test_compat.py``) set the ceiling in pyproject.toml."""
 
 
 def check_torch_version(version: str) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_scale._lightning_compat import log_metrics, should_accumulate, should_update_logs
 from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
 
 __all__ = ["Duration", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp",
@@ -243,7 +244,7 @@ def reduce_sum(trainer: Trainer, values: Iterable[float], op: Any = None) -> lis
 
 def should_log(trainer: Trainer) -> bool:
     """At Lightning's logging steps (``Trainer(log_every_n_steps=...)``), once the accumulation window closed."""
-    return trainer._logger_connector.should_update_logs and not trainer.fit_loop.epoch_loop._should_accumulate()
+    return should_update_logs(trainer) and not should_accumulate(trainer)
 
 
 def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[str] = ()) -> None:
@@ -255,4 +256,4 @@ def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[s
     trainer.callback_metrics.update(tensors)
     trainer.progress_bar_metrics.update({k: float(metrics[k]) for k in prog_bar if k in metrics})
     if trainer.is_global_zero:
-        trainer._logger_connector.log_metrics(dict(tensors), step=trainer.global_step)
+        log_metrics(trainer, dict(tensors), step=trainer.global_step)

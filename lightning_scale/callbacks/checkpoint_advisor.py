@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.checkpoint.interval import daly_interval, young_interval
 
@@ -43,7 +44,7 @@ class CheckpointIntervalAdvisor(telemetry.TimedCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return
         now = self._clock.now()
         if self._step_start is None:

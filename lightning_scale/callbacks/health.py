@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import restore_training_state
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.checks import format_choices
 from lightning_scale.core.telemetry.health import LossSpikeDetector
@@ -166,15 +167,8 @@ class NumericalHealth(Callback):
 
     def _restore(self, trainer: Trainer) -> None:
         path, self._rollback_to = self._rollback_to, None
-        connector = trainer._checkpoint_connector
-        connector._loaded_checkpoint = trainer.strategy.load_checkpoint(path)
-        try:
-            # Lightning's own restore steps, less the loops: counters and data go on.
-            connector.restore_model()
-            connector.restore_precision_plugin_state()
-            connector.restore_optimizers_and_schedulers()
-        finally:
-            connector._loaded_checkpoint = {}
+        # Lightning's own restore steps, less the loops: counters and data go on.
+        restore_training_state(trainer, trainer.strategy.load_checkpoint(path))
         self.rollbacks += 1
         rank_zero_warn(f"NumericalHealth: rolled back to {path} at global step {trainer.global_step}.")
 

@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.pipeline.timing import TimerReader
@@ -135,7 +136,7 @@ class StepTimeBreakdown(telemetry.TimedCallback):
             return
         self._close("optimizer" if self._optimizer_at is not None else "compute", self._now())
         self._optimizer_at = None
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return
         self._steps += 1
         if telemetry.should_log(trainer):

@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.timing import TimerReader
 
@@ -115,7 +116,7 @@ class StragglerMonitor(telemetry.TimedCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             self._mark = self._clock.now()
             return
         self._steps += 1

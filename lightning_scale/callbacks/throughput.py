@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.telemetry.flops import model_flops_utilization
@@ -203,7 +204,7 @@ class Throughput(telemetry.TimedCallback):
             )
         self._totals[2] += tokens * (flops or 0.0)
         self._totals[3] += tokens * self._recomputed(seq_len)
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return
         self._marks.append(_Mark(self._clock.now(), *self._totals))
         if telemetry.should_log(trainer):

@@ -5,15 +5,17 @@ tested without a Trainer (and most of it without a process group). The sub-packa
 may import from the package (``tests/test_layering.py`` enforces both, and that no import cycle
 exists anywhere in ``lightning_scale``):
 
+- :mod:`~lightning_scale.core.compat` (every private torch API the package uses, one shim each,
+  checked by a canary in ``tests/test_compat.py``): nothing; every other part may import it;
 - :mod:`~lightning_scale.core.checks` (validators that name the rule and the fix) and
-  :mod:`~lightning_scale.core.lr_schedule` (the learning-rate schedule): nothing;
+  :mod:`~lightning_scale.core.lr_schedule` (the learning-rate schedule): ``compat``;
 - :mod:`~lightning_scale.core.parallel` (the mesh layout, tensor and data parallelism, per-block
-  transforms, deferred initialisation, process groups): ``checks``;
+  transforms, deferred initialisation, process groups): ``compat`` and ``checks``;
 - :mod:`~lightning_scale.core.pipeline` (stage specs, partition, schedules, the runner, the loss,
   tied weights, timing), :mod:`~lightning_scale.core.checkpoint` (the directory format, DCP reading
   and writing, checksums, JSON state, storage), :mod:`~lightning_scale.core.precision` (loss
   scaling, gradient norms over meshes) and :mod:`~lightning_scale.core.telemetry` (FLOPs, model
-  facts, peaks, prices, numerical health): ``checks`` and ``parallel``, never each other.
+  facts, peaks, prices, numerical health): ``compat``, ``checks`` and ``parallel``, never each other.
 """
 
 from lightning_scale.core.checks import divisors, format_choices, suggest_multiples

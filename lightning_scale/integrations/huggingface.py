@@ -35,6 +35,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_scale.core.checks import divisors, format_choices
+from lightning_scale.core.compat import module_children
 from lightning_scale.core.pipeline.spec import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.core.parallel.tensor_parallel import register_plan
 
@@ -81,7 +82,7 @@ def _model_type(module: nn.Module) -> str:
 
 
 def _has_plan(module: nn.Module) -> bool:
-    return is_hf_model(module) and bool(getattr(module, "_tp_plan", None) or getattr(module.config, "base_model_tp_plan", None))
+    return is_hf_model(module) and bool(getattr(module, "tp_plan", None) or getattr(module.config, "base_model_tp_plan", None))
 
 
 def hf_tensor_parallel_plan(
@@ -97,7 +98,7 @@ def hf_tensor_parallel_plan(
                 f"{type(model).__name__} has {name}={value}, which tensor_parallel={tp_size} does not divide: each "
                 f"rank must hold whole attention heads. Use tensor_parallel in {divisors(value)}."
             )
-    plan = dict(getattr(model, "_tp_plan", None) or {})
+    plan = dict(getattr(model, "tp_plan", None) or {})  # transformers' public view of its private `_tp_plan`
     if not plan:
         prefix = getattr(model, "base_model_prefix", "")
         base = getattr(model, prefix, None) if prefix else None
@@ -243,7 +244,7 @@ def _check_layer_types(base: nn.Module) -> None:
     types = getattr(base.config, "layer_types", None)
     if not types:
         return
-    kept = [int(k) for k in base.layers._modules]
+    kept = [int(k) for k in module_children(base.layers)]
     if any(types[position] != types[index] for position, index in enumerate(kept)):
         raise ValueError(
             f"{type(base).__name__} mixes attention types across layers ({sorted(set(types))}); its forward "

@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import attached_trainer, set_initial_hparam, should_update_logs
 from lightning_scale.core.lr_schedule import warmup_cosine
 from lightning_scale.models.gpt import GPT, GPTConfig
 from lightning_scale.models.parallel import language_model_loss
@@ -64,7 +65,7 @@ class GPTLightningModule(LightningModule):
         # Hyperparameters go into checkpoints as plain data so `load_from_checkpoint` rebuilds the model.
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = dataclasses.asdict(config)
-        self._hparams_initial["config"] = dataclasses.asdict(config)  # what loggers record
+        set_initial_hparam(self, "config", dataclasses.asdict(config))  # what loggers record
         self.config = config
         self.model: GPT | None = None if deferred_init else GPT(config)
 
@@ -89,7 +90,7 @@ class GPTLightningModule(LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        seq_len = getattr(self.trainer.datamodule, "seq_len", None) if self._trainer is not None else None
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None) if attached_trainer(self) is not None else None
         if seq_len is not None and seq_len > self.config.block_size:
             raise ValueError(
                 f"data seq_len={seq_len} exceeds the model's context block_size={self.config.block_size}. "
@@ -108,7 +109,7 @@ class GPTLightningModule(LightningModule):
         loss = self._loss(batch)
         trainer = self.trainer
         last = 0 < trainer.max_steps <= trainer.global_step + 1
-        if trainer._logger_connector.should_update_logs or last:
+        if should_update_logs(trainer) or last:
             # Logged at the loggers' steps only, as the mean over the whole global batch (not rank 0's
             # share), so curves at different data-parallel sizes are comparable: one scalar all-reduce
             # there, none on the steps between (sync_dist=True would reduce on every step).

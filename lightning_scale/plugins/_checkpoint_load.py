@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_scale._lightning_compat import load_module_state, migrate_checkpoint
 from lightning_scale.core.checkpoint.format import is_shard_file, read_listed, read_manifest, verify
 from lightning_scale.core.checkpoint.state import decode
 from lightning_scale.core.checkpoint.sharded import load_sharded, read_tensor_metadata, verify_distributed
@@ -104,10 +105,7 @@ def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def load_from_checkpoint(cls: type, path: str | os.PathLike, *, strict: bool | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint`` for a sharded checkpoint directory: the module built from the saved
     hyper-parameters (``kwargs`` override them) with the whole weights, in one process."""
-    from lightning.pytorch.core.saving import _load_state
-    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
-
     local = None if is_url(path) else os.fspath(path)
-    checkpoint = _pl_migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=local)
+    checkpoint = migrate_checkpoint(load_full_checkpoint(path), checkpoint_path=local)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
-    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+    return load_module_state(cls, checkpoint, strict=strict, **kwargs)

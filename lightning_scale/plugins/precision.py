@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import after_closure, should_update_logs
 from lightning_scale.core.checks import format_choices
 from lightning_scale.core.precision.grad_norm import (
     GradientScope,
@@ -331,12 +332,11 @@ class MixedPrecision(Precision):
             # training_step returned None: no backward ran, nothing to scale or check.
             return optimizer.step(**kwargs)
         self._unscale(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, then clipping
         step, stats = True, None
         # Metrics are logged when the loggers write (every log_every_n_steps): a log call costs more
         # than the scaler's own work on small models.
-        connector = getattr(model.trainer, "_logger_connector", None)
-        logging = bool(getattr(connector, "should_update_logs", True))
+        logging = should_update_logs(model.trainer, missing=True)
         if self._needs_stats(logging) or self._stats is not None:
             stats = self.gradient_stats(optimizer)
             step = self._decide(stats, model, optimizer)

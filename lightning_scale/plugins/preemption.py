@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import cluster_environment, idle_sigterm_broadcast, restore_sigterm_broadcast
 from lightning_scale.core.checkpoint.format import checkpoint_name
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedCheckpointIO
@@ -36,13 +37,6 @@ from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedC
 __all__ = ["Preempted", "PreemptionCheckpoint"]
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
-
-
-_LIGHTNING_BROADCAST = "_broadcast_sigterm_tensor"  # _TrainingEpochLoop's, called before every batch
-
-
-def _no_broadcast() -> None:
-    """Lightning's per-batch SIGTERM broadcast, idle: :class:`PreemptionCheckpoint` agrees on the signal."""
 
 
 class Preempted(SystemExit):
@@ -117,16 +111,15 @@ class PreemptionCheckpoint(Callback):
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
         loop = self._idled_loop
-        if loop is not None and _LIGHTNING_BROADCAST in vars(loop):
-            delattr(loop, _LIGHTNING_BROADCAST)  # the class's own method again
+        if loop is not None:
+            restore_sigterm_broadcast(loop)  # the class's own method again
         self._idled_loop = None
 
     def _replace_lightning_broadcast(self, trainer: Trainer) -> None:
         """While this callback's handler owns SIGTERM, Lightning's flag cannot be set, and its per-batch
         broadcast of it would be a second collective and host sync per step: idle it for this fit."""
         loop = trainer.fit_loop.epoch_loop
-        if signal.SIGTERM in self._previous and callable(getattr(type(loop), _LIGHTNING_BROADCAST, None)):
-            setattr(loop, _LIGHTNING_BROADCAST, _no_broadcast)
+        if signal.SIGTERM in self._previous and idle_sigterm_broadcast(loop):
             self._idled_loop = loop
 
     @override
@@ -195,7 +188,7 @@ class PreemptionCheckpoint(Callback):
 
     @staticmethod
     def _requeue(trainer: Trainer) -> None:
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
             return
         job = os.environ.get("SLURM_JOB_ID")

@@ -5,6 +5,6 @@ safely (:mod:`.dcp_metadata`, :mod:`.saved_tensor`, :mod:`.shard_reader`, :mod:`
 a parallelised model's sharded state (:mod:`.sharded_state`) with tied weights stored once (:mod:`.ties`),
 where files live (:mod:`.storage`) and how often to save (:mod:`.interval`).
 
-May import: torch, the standard library, :mod:`lightning_scale.core.checks` and
-:mod:`lightning_scale.core.parallel`.
+May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
+:mod:`lightning_scale.core.checks` and :mod:`lightning_scale.core.parallel`.
 """

@@ -27,8 +27,6 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import metadata as _dcp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,24 +39,33 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, listed_entries, read_listed
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path
+from lightning_scale.core.compat import (
+    DCP_METADATA_FILE,
+    TORCH_LAYOUT_PICKLE_NAME,
+    dcp_memory_format_encoding,
+    dcp_storage_info_type,
+)
 
 __all__ = ["METADATA", "check_metadata", "read_metadata", "unpickle_metadata"]
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA_FILE
 
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
 
 def _layout(name: Any) -> torch.layout:
-    """What ``torch.serialization._get_layout`` does for DCP's ``TensorProperties.layout``, from a fixed table."""
+    """What torch's own rebuild function (``TORCH_LAYOUT_PICKLE_NAME``) does for DCP's ``TensorProperties.layout``,
+    from a fixed table."""
     if not isinstance(name, str) or name not in _LAYOUTS:
         raise CheckpointCorruptError(f"unknown tensor layout {name!r}")
     return _LAYOUTS[name]
 
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_STORAGE_INFO = dcp_storage_info_type()
 # Exactly what a DCP ``.metadata`` pickle names (torch 2.x), each mapped to the object it gets. No
-# module is imported and no attribute looked up at load time: a pair not here is refused.
+# module is imported and no attribute looked up at load time: a pair not here is refused. The private
+# ones come from lightning_scale.core.compat.
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{
         (_METADATA_MODULE, cls.__name__): cls
@@ -70,12 +77,12 @@ _ALLOWED: dict[tuple[str, str], Any] = {
             TensorStorageMetadata,
             ChunkStorageMetadata,
             BytesStorageMetadata,  # unpickled so that it can be refused by name (check_metadata)
-            _dcp._MEM_FORMAT_ENCODING,
+            dcp_memory_format_encoding(),
         )
     },
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    (_STORAGE_INFO.__module__, _STORAGE_INFO.__qualname__): _STORAGE_INFO,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _layout,
+    TORCH_LAYOUT_PICKLE_NAME: _layout,
     **{("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
     ("collections", "OrderedDict"): OrderedDict,
     ("builtins", "set"): set,
@@ -154,7 +161,7 @@ def _check(metadata: Metadata, manifest: Mapping[str, Any], where: str) -> None:
     if not isinstance(storage, dict):
         raise CheckpointCorruptError(f"{where} has no table of where its items are stored.")
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _STORAGE_INFO):
             raise CheckpointCorruptError(f"{where} has a storage entry of type {type(info).__name__}.")
         name = info.relative_path
         if not isinstance(name, str) or not name:

@@ -17,7 +17,6 @@ version 1 manifests (SHA-256 only) still verify.
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.checkpoint.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_checksum, new_digest
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
+from lightning_scale.core.compat import DCP_DATA_FILE
 
 __all__ = [
     "CHECKSUMS",
@@ -55,7 +55,6 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: entries carry "sha256" only
-_SHARD = re.compile(r"__\d+_\d+\.distcp")
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -80,7 +79,7 @@ def checkpoint_name(step: int) -> str:
 
 def is_shard_file(name: str) -> bool:
     """A DCP data file (``__<rank>_<n>.distcp``): the bulk of a checkpoint, hashed as it is loaded."""
-    return bool(_SHARD.fullmatch(PurePosixPath(name).name))
+    return bool(DCP_DATA_FILE.fullmatch(PurePosixPath(name).name))
 
 
 def entry_checksum(entry: Mapping[str, Any], manifest: Any = MANIFEST) -> tuple[str, str]:

@@ -5,7 +5,8 @@ DCP stores each tensor chunk as a ``torch.save`` archive: an uncompressed zip wh
 rebuilds the tensor from the storage record ``data/0``. The pickle may name only the rebuild
 function, a storage class and ``OrderedDict``; anything else (several storages, big-endian data, a
 layout not contiguous, a compressed record) is not the plain form, and the caller uses
-``torch.load``.
+``torch.load``. The layout is undocumented: :mod:`lightning_scale.core.compat` holds what is relied on
+(``TORCH_SAVE_*``), and its canary checks it against torch.
 
 - :func:`stored_tensor`: the tensor as a view of the archive's bytes.
 - :func:`leading_tensor_range`: from the archive's first bytes only (its local headers and the
@@ -28,23 +29,10 @@ from typing import Any
 
 import torch
 
+from lightning_scale.core.compat import TORCH_SAVE_REBUILD_TENSOR, TORCH_SAVE_RECORDS, TORCH_SAVE_STORAGE_DTYPES
+
 __all__ = ["TensorRange", "archive_directory", "leading_tensor_range", "stored_tensor", "tensor_range"]
 
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
-_RECORDS = {"data.pkl", "data/0", "byteorder", "version", ".format_version", ".storage_alignment", ".data/serialization_id"}
 _LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
 
 
@@ -63,12 +51,12 @@ def _rebuild(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tupl
 
 class _TensorPickle(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        if (module, name) == TORCH_SAVE_REBUILD_TENSOR:
             return _rebuild
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _Storage(_STORAGE_DTYPES[name])
+        if module == "torch" and name in TORCH_SAVE_STORAGE_DTYPES:
+            return _Storage(TORCH_SAVE_STORAGE_DTYPES[name])
         raise _NotPlain(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -126,7 +114,7 @@ def archive_directory(tail: memoryview | bytes, length: int) -> dict[str, zipfil
             names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
     except (_NotPlain, zipfile.BadZipFile, ValueError, EOFError):
         return None
-    if set(names) - _RECORDS or "data.pkl" not in names or "data/0" not in names:
+    if set(names) - TORCH_SAVE_RECORDS or "data.pkl" not in names or "data/0" not in names:
         return None
     if any(info.compress_type != zipfile.ZIP_STORED for info in names.values()):
         return None

@@ -24,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
@@ -34,7 +33,8 @@ from torch.futures import Future
 
 from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
 from lightning_scale.core.checkpoint.checksums import StreamHash, thread_pool
-from lightning_scale.core.checkpoint.dcp_metadata import METADATA, read_metadata
+from lightning_scale.core.compat import dcp_fsspec_filesystem, dcp_metadata_file
+from lightning_scale.core.checkpoint.dcp_metadata import read_metadata
 from lightning_scale.core.checkpoint.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
 
@@ -43,9 +43,7 @@ __all__ = ["SafeFileSystemReader", "ShardReader", "TensorsOnlyLoadPlanner", "dcp
 def dcp_filesystem(path: AnyPath) -> Any:
     """DCP's filesystem layer for ``path``: its local one, or its fsspec one for a URL."""
     if isinstance(path, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-
-        return FsspecFileSystem()
+        return dcp_fsspec_filesystem()
     return LocalFileSystem()
 
 
@@ -83,7 +81,7 @@ class SafeFileSystemReader(FileSystemReader):
         else:
             if self._manifest is None:
                 self._manifest = read_manifest(self._checkpoint)
-            name = METADATA if rank is None else f"__{rank}{METADATA}"  # DCP's names (rank: no-collectives loads)
+            name = dcp_metadata_file(rank)  # rank: a no-collectives load
             metadata = read_metadata(self._checkpoint, self._manifest, name=name)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -281,7 +279,7 @@ def _decode(data: memoryview, items: list[Any], planner: LoadPlanner) -> None:
     if stored is None:
         stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     for item in items:
-        tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        tensor = _narrow(stored, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise CheckpointCorruptError(
@@ -290,6 +288,15 @@ def _decode(data: memoryview, items: list[Any], planner: LoadPlanner) -> None:
             )
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The piece of ``tensor`` at ``offsets`` of ``sizes`` (a view): what DCP's private
+    ``narrow_tensor_by_index`` does, with the public ``Tensor.narrow``."""
+    for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+        if size < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, size)
+    return tensor
 
 
 _DIRECT_MIN = 1 << 20  # smaller items go through a buffer: a seek or two would cost more than the copy

@@ -16,6 +16,7 @@ from lightning_scale.core.checkpoint.format import is_shard_file
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, new_digest
 from lightning_scale.core.checkpoint.shard_reader import dcp_filesystem, dcp_id
 from lightning_scale.core.checkpoint.storage import RemotePath, as_path
+from lightning_scale.core.compat import copy_state_dict, create_cpu_state_dict
 
 __all__ = ["StagingWriter"]
 
@@ -109,10 +110,8 @@ class StagingWriter(FileSystemWriter):
         super().reset(checkpoint_id)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
         layout = [(k, tuple(v.shape), v.dtype, type(v)) for k, v in state_dict.items()]
         if self.state_dict_cache is None or layout != self._layout:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self.state_dict_cache = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self._layout = layout
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+        return copy_state_dict(state_dict, self.state_dict_cache)

@@ -24,6 +24,8 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import IO, Any, Union
 
+from lightning_scale.core.compat import dcp_fsspec_filesystem, strip_protocol
+
 __all__ = ["AnyPath", "RemotePath", "as_path", "is_url", "renames_atomically", "replace", "rmtree", "write_durable"]
 
 
@@ -133,13 +135,11 @@ def as_path(path: Any, storage_options: Mapping[str, Any] | None = None) -> AnyP
     if "://" not in path:
         return Path(path)
     # DCP's own fsspec layer resolves the URL (fsspec comes with torch; core imports torch only).
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFsspec
-
-    layer = DcpFsspec()
+    layer = dcp_fsspec_filesystem()
     try:
         layer.init_path(path, **dict(storage_options or {}))
         fs = layer.fs
-        inner = fs._strip_protocol(path)
+        inner = strip_protocol(fs, path)
     except (ImportError, ValueError) as err:
         raise ValueError(
             f"Cannot open the checkpoint location {path!r}: {err}. Install the fsspec filesystem for its protocol "

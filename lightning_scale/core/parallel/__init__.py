@@ -4,5 +4,6 @@ tensor groups (:mod:`.layout`), tensor-parallel plans (:mod:`.tensor_parallel`),
 initialisation (:mod:`.deferred_init`), module-tree questions (:mod:`.modules`) and process groups
 (:mod:`.groups`, :mod:`.process_groups`).
 
-May import: torch, the standard library and :mod:`lightning_scale.core.checks`.
+May import: torch, the standard library, :mod:`lightning_scale.core.compat` and
+:mod:`lightning_scale.core.checks`.
 """

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_scale.core.checks import format_choices
+from lightning_scale.core.compat import fsdp_replicate
 
 __all__ = [
     "COMPRESSIONS",
@@ -107,10 +108,8 @@ def apply_data_parallel(
     if mode not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel_mode={mode!r} is not one of {format_choices(DATA_PARALLEL_MODES)}.")
     if mode == "ddp":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         for module in [*blocks, *roots]:
-            replicate(module, mesh=mesh)
+            fsdp_replicate(module, mesh=mesh)
         return
     from torch.distributed.fsdp import fully_shard
 

@@ -42,6 +42,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_scale.core.compat import apply_to_tensors, module_buffers, module_parameters
+
 __all__ = ["DeferredInit", "has_meta_tensors", "module_seed"]
 
 INIT_HOOK = "_init_weights"
@@ -59,10 +61,10 @@ def module_seed(seed: int, name: str) -> int:
 
 def _own(module: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:
     """``(attr, tensor, is_parameter)`` for the module's own parameters and buffers."""
-    for attr, tensor in module._parameters.items():
+    for attr, tensor in module_parameters(module).items():
         if tensor is not None:
             yield attr, tensor, True
-    for attr, tensor in module._buffers.items():
+    for attr, tensor in module_buffers(module).items():
         if tensor is not None:
             yield attr, tensor, False
 
@@ -169,7 +171,8 @@ class DeferredInit:
     def _initialised(self, owner: _Owner, seed: int) -> tuple[dict[str, Tensor], list[str]]:
         """The owner's meta tensors, whole on the host, as its initialiser leaves them."""
         module = owner.module
-        saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+        params, buffers = module_parameters(module), module_buffers(module)
+        saved_params, saved_buffers = dict(params), dict(buffers)
         try:
             for attr, tensor, is_param in _own(module):
                 if attr in owner.meta:
@@ -180,19 +183,19 @@ class DeferredInit:
                 else:
                     host, requires_grad = tensor.detach().clone(), tensor.requires_grad  # never changes the real one
                 if is_param:
-                    module._parameters[attr] = nn.Parameter(host, requires_grad=requires_grad)
+                    params[attr] = nn.Parameter(host, requires_grad=requires_grad)
                 else:
-                    module._buffers[attr] = host
+                    buffers[attr] = host
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.default_generator.manual_seed(module_seed(seed, owner.name))
                 owner.init()
-            values = {attr: (module._parameters.get(attr) if owner.meta[attr][2] else module._buffers.get(attr))
+            values = {attr: (params.get(attr) if owner.meta[attr][2] else buffers.get(attr))
                       for attr in owner.meta}  # fmt: skip
         finally:
-            module._parameters.clear()
-            module._parameters.update(saved_params)
-            module._buffers.clear()
-            module._buffers.update(saved_buffers)
+            params.clear()
+            params.update(saved_params)
+            buffers.clear()
+            buffers.update(saved_buffers)
         problems = []
         for attr, value in values.items():
             label = f"{owner.name}.{attr}" if owner.name else attr
@@ -213,15 +216,15 @@ def _allocate(root: nn.Module, device: torch.device, extra_roots: Iterable[nn.Mo
     def empty(t: Tensor) -> Tensor:
         return torch.empty_like(t, device=device) if t.is_meta else t
 
-    root._apply(empty)
+    apply_to_tensors(root, empty)
     for extra in extra_roots:
-        extra._apply(empty)  # FSDP2 units outside the tree re-adopt their sharded parameters
+        apply_to_tensors(extra, empty)  # FSDP2 units outside the tree re-adopt their sharded parameters
     # `_apply` gives each module a new tensor for a meta one, untying weights shared by modules.
     for members in groups.values():
         (module, attr, is_param), *others = members
-        tensor = (module._parameters if is_param else module._buffers)[attr]
+        tensor = (module_parameters(module) if is_param else module_buffers(module))[attr]
         for other, other_attr, other_is_param in others:
-            (other._parameters if other_is_param else other._buffers)[other_attr] = tensor
+            (module_parameters(other) if other_is_param else module_buffers(other))[other_attr] = tensor
 
 
 def _write(module: nn.Module, attr: str, tensor: Tensor, value: Tensor) -> None:
@@ -231,8 +234,8 @@ def _write(module: nn.Module, attr: str, tensor: Tensor, value: Tensor) -> None:
             # Every rank holds the whole value: no communication, each keeps its own shard.
             local = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
             tensor.to_local().copy_(local)
-        elif attr in module._parameters:
+        elif attr in module_parameters(module):
             tensor.copy_(value)
         else:
             # A buffer may change shape in its initialiser (a table computed from the config).
-            module._buffers[attr] = value.to(device=tensor.device, dtype=tensor.dtype if value.is_floating_point() else value.dtype)
+            module_buffers(module)[attr] = value.to(device=tensor.device, dtype=tensor.dtype if value.is_floating_point() else value.dtype)

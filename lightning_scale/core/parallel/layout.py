@@ -8,6 +8,7 @@ from typing import Literal
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_scale.core.checks import divisors
+from lightning_scale.core.compat import flatten_mesh
 
 __all__ = ["MESH_DIMS", "Layout", "check_size", "init_layout_mesh", "resolve_layout"]
 
@@ -109,5 +110,5 @@ def init_layout_mesh(device_type: str, layout: Layout, hsdp: tuple[int, int] | N
         raise ValueError(f"hsdp {replicate} x {shard} does not make data_parallel={layout.dp}")
     names = ("dp_replicate", "dp_shard", *MESH_DIMS[1:])
     mesh = init_device_mesh(device_type, (replicate, shard, layout.pp, layout.tp), mesh_dim_names=names)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     return mesh

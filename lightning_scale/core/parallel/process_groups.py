@@ -17,6 +17,8 @@ import os
 
 import torch.distributed as dist
 
+from lightning_scale.core.compat import mesh_group_registry
+
 __all__ = ["COMMUNICATION_THREADS", "communication_threads", "end_process_groups"]
 
 COMMUNICATION_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl_watchdg", "pt_nccl_heartbt")
@@ -58,8 +60,8 @@ def end_process_groups(*, barrier: bool) -> list[str]:
 
         for obj in gc.get_objects():
             if isinstance(obj, DeviceMesh):
-                registry = getattr(obj, "_pg_registry", None)  # torch >= 2.10; a dict name -> group
-                if isinstance(registry, dict):
+                registry = mesh_group_registry(obj)
+                if registry is not None:
                     registry.clear()
         gc.collect()
     return communication_threads()

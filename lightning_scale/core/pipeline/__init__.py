@@ -4,6 +4,6 @@ a stage is cut (:mod:`.spec`), cutting blocks into stages and the bubble (:mod:`
 (:mod:`.runner`), the micro-batch loss (:mod:`.loss`), weights tied across stages (:mod:`.ties`)
 and timing inside the schedule (:mod:`.timing`).
 
-May import: torch, the standard library, :mod:`lightning_scale.core.checks` and
-:mod:`lightning_scale.core.parallel`.
+May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
+:mod:`lightning_scale.core.checks` and :mod:`lightning_scale.core.parallel`.
 """

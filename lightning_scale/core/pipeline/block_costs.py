@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_scale.core.compat import module_buffers, module_parameters
 from lightning_scale.core.parallel.deferred_init import has_meta_tensors
 from lightning_scale.core.pipeline.partition import Partition, balanced_partition, partition_by_layers
 from lightning_scale.core.pipeline.spec import PipelineSpec
@@ -38,14 +39,15 @@ def stand_in_tensors(modules: Sequence[nn.Module], device: torch.device, skip: S
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     real: dict[int, torch.Tensor] = {}
     for module in {id(m): m for top in modules for m in top.modules() if id(m) not in skipped}.values():
-        for table in (module._parameters, module._buffers):
+        params = module_parameters(module)
+        for table in (params, module_buffers(module)):
             for attr, tensor in list(table.items()):
                 if tensor is None or not tensor.is_meta:
                     continue
                 if id(tensor) not in real:
                     value = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
                     value.normal_(0.0, 0.02) if value.is_floating_point() else value.zero_()
-                    real[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if table is module._parameters else value
+                    real[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if table is params else value
                 saved.append((table, attr, tensor))
                 table[attr] = real[id(tensor)]
     try:

@@ -11,8 +11,10 @@ V-shaped schedules.
   and fails passing gradients between the two stages of rank 0 ("can't steal_bwd_input").
   :func:`forward_only_schedule` runs a ZB-V schedule whose lowered order keeps only the forward
   actions (and their sends and receives): a subset of a deadlock-free order with only forward
-  dependencies, so it cannot deadlock either. It reaches ``pipeline_order_with_comms`` and
-  ``_ComputationType``, which are private: torch is pinned (``constraints.txt``).
+  dependencies, so it cannot deadlock either. The lowered order and its action types are private:
+  :func:`~lightning_scale.core.compat.keep_lowered_actions` and
+  :func:`~lightning_scale.core.compat.forward_action_types` reach them (as
+  :func:`~lightning_scale.core.compat.gradient_sync_held_off` does ``perform_reduce_grad``'s patch).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _ComputationType
 
+from lightning_scale.core.compat import forward_action_types, gradient_sync_held_off, keep_lowered_actions
 from lightning_scale.core.pipeline.partition import SCHEDULES, V_SHAPED
 
 __all__ = ["GradSyncStage", "build_schedule", "forward_only_schedule", "make_stages"]
@@ -72,16 +74,8 @@ class GradSyncStage(PipelineStage):
             super().perform_reduce_grad(grad_scale_factor)
             return
         # torch's version switches synchronisation on first; keep it off for this one call.
-        set_sync = type(module).set_requires_gradient_sync
-
-        def no_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-            set_sync(module, False, recurse=recurse)
-
-        module.__dict__["set_requires_gradient_sync"] = no_sync
-        try:
+        with gradient_sync_held_off(module):
             super().perform_reduce_grad(grad_scale_factor)
-        finally:
-            del module.__dict__["set_requires_gradient_sync"]
 
 
 def make_stages(
@@ -111,15 +105,6 @@ def build_schedule(name: str, stages: Sequence[PipelineStage], microbatches: int
     return MULTI_STAGE[name](list(stages), microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-_FORWARD_ACTIONS = {
-    _ComputationType.FORWARD,
-    _ComputationType.SEND_F,
-    _ComputationType.RECV_F,
-    _ComputationType.UNSHARD,
-    _ComputationType.RESHARD,
-}
-
-
 def forward_only_schedule(
     name: str, stages: Sequence[PipelineStage], microbatches: int, loss_fn: LossFn, training_schedule: Any
 ) -> Any:
@@ -128,8 +113,5 @@ def forward_only_schedule(
     if name not in V_SHAPED:
         return training_schedule
     schedule = ScheduleZBVZeroBubble(list(stages), microbatches, loss_fn=loss_fn, scale_grads=False)
-    lowered = schedule.pipeline_order_with_comms
-    schedule.pipeline_order_with_comms = {
-        rank: [a for a in actions if a.computation_type in _FORWARD_ACTIONS] for rank, actions in lowered.items()
-    }
+    keep_lowered_actions(schedule, forward_action_types().__contains__)
     return schedule

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_scale.core.compat import module_buffers, module_children, module_parameters
 from lightning_scale.core.parallel.modules import Matcher, check_matcher, outermost_registered
 
 __all__ = [
@@ -144,18 +145,19 @@ class KeptModuleList(nn.ModuleList):
     """
 
     def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:  # type: ignore[override]
-        kept = list(self._modules.values())
+        kept = list(module_children(self).values())
         if isinstance(idx, slice):
             return nn.ModuleList(kept[idx])
         return kept[idx]  # type: ignore[return-value]
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
-        key = list(self._modules)[idx]
-        self._modules[key] = module
+        children = module_children(self)
+        children[list(children)[idx]] = module
 
     def __delitem__(self, idx: int | slice) -> None:
-        for key in list(self._modules)[idx] if isinstance(idx, slice) else [list(self._modules)[idx]]:
-            del self._modules[key]
+        children = module_children(self)
+        for key in list(children)[idx] if isinstance(idx, slice) else [list(children)[idx]]:
+            del children[key]
 
     def _grow(self, *args: object, **kwargs: object) -> KeptModuleList:
         raise TypeError(
@@ -214,7 +216,7 @@ def _remove(root: nn.Module, name: str, identity: bool = False) -> None:
     parent = root.get_submodule(parent_name) if parent_name else root
     if isinstance(parent, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
         # Not `del parent[i]`: ModuleList and Sequential renumber the entries after it.
-        del parent._modules[attr]
+        del module_children(parent)[attr]
         if type(parent) is nn.ModuleList:
             parent.__class__ = KeptModuleList
     else:
@@ -295,12 +297,13 @@ def stage_view(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_f
             clone = copy.copy(original)
             # Its own table of children and of hooks (data parallelism hooks each view separately);
             # children, parameters and buffers stay shared.
+            shared = (module_parameters(original), module_buffers(original))
             for attr, value in vars(original).items():
-                if isinstance(value, dict) and attr not in ("_parameters", "_buffers"):
+                if isinstance(value, dict) and not any(value is table for table in shared):
                     clone.__dict__[attr] = copy.copy(value)
             if path:
                 parent_path, _, attr = path.rpartition(".")
-                copied(parent_path)._modules[attr] = clone
+                module_children(copied(parent_path))[attr] = clone
             copies[path] = clone
         return copies[path]
 

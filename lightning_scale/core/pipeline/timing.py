@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from lightning_scale.core.compat import PIPELINE_STAGE_COMPUTE
+
 __all__ = ["STAGE_COMPUTE", "StageTimer", "TimerReader"]
 
-STAGE_COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+STAGE_COMPUTE = PIPELINE_STAGE_COMPUTE
 
 
 class StageTimer:

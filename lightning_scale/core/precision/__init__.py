@@ -2,6 +2,6 @@
 gradient norm, clipping and overflow check over parameters that may be DTensors on several meshes
 (:mod:`.grad_norm`).
 
-May import: torch, the standard library, :mod:`lightning_scale.core.checks` and
-:mod:`lightning_scale.core.parallel`.
+May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
+:mod:`lightning_scale.core.checks` and :mod:`lightning_scale.core.parallel`.
 """

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_scale.core.compat import foreach_mul_, foreach_norm
+
 __all__ = [
     "GradientScope",
     "GradientStats",
@@ -248,7 +250,7 @@ def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, nor
     for (_, dtype), members in _by_kind(pieces).items():
         # Half-precision gradients are summed in fp32 at least.
         accumulate = torch.promote_types(dtype, torch.float32)
-        found = torch._foreach_norm([pieces[j] for j in members], norm_type, dtype=accumulate)
+        found = foreach_norm([pieces[j] for j in members], norm_type, dtype=accumulate)
         norms[members] = torch.stack(found).to(device=device, dtype=torch.float64)
     counts = [scope.counts(g) and id(p) not in scope.excluded for g, (_, p) in zip(grads, with_grads)]  # type: ignore[arg-type]
     counted = torch.tensor(counts, device=device, dtype=torch.bool)
@@ -285,7 +287,7 @@ def scale_grads_(parameters: Iterable[torch.Tensor], factor: float) -> None:
         return
     pieces = local_grads(parameters)
     for members in _by_kind(pieces).values():
-        torch._foreach_mul_([pieces[j] for j in members], factor)
+        foreach_mul_([pieces[j] for j in members], factor)
 
 
 def clip_grads_by_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:

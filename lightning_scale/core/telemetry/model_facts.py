@@ -30,15 +30,14 @@ recomputation costs; ``checkpointed_blocks`` says which blocks a run wraps.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_scale.core.compat import module_hooks_suspended
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.telemetry.flops import matmul_parameters, measured_flops_per_token, transformer_flops_per_token
 
@@ -339,25 +338,10 @@ def meta_step(
             before_backward()
         loss.float().sum().backward()
 
-    with _hooks_suspended(module):
+    # The modules' own forward and backward hooks do not see the meta run (a user's hook recording
+    # activations would record meta tensors).
+    with module_hooks_suspended(module):
         _call(module, state, batch, method, backward)
-
-
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-@contextmanager
-def _hooks_suspended(module: nn.Module) -> Iterator[None]:
-    """The modules' own forward and backward hooks do not see the meta run (a user's hook recording
-    activations would record meta tensors)."""
-    saved = [(sub, name, getattr(sub, name)) for sub in module.modules() for name in _HOOKS if getattr(sub, name, None)]
-    for sub, name, _ in saved:
-        setattr(sub, name, OrderedDict())
-    try:
-        yield
-    finally:
-        for sub, name, hooks in saved:
-            setattr(sub, name, hooks)
 
 
 def _call(
