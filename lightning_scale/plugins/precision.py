@@ -20,7 +20,6 @@ What Lightning's own plugins leave out, and this one does:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -36,7 +35,6 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_scale._lightning_compat import after_closure, should_update_logs
-from lightning_scale.core.checks import format_choices
 from lightning_scale.core.precision.grad_norm import (
     GradientScope,
     GradientStats,
@@ -46,34 +44,10 @@ from lightning_scale.core.precision.grad_norm import (
     scale_grads_,
 )
 from lightning_scale.core.precision.loss_scaler import DynamicLossScaler
+from lightning_scale.core.precision.options import COMPUTE_DTYPE, NONFINITE_POLICIES, PRECISIONS, TRUE_DTYPE, PrecisionOptions
 from lightning_scale.plugins._lr_schedulers import hold_lr_schedulers_after_skipped_steps
 
 __all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision"]
-
-PRECISIONS = {
-    "fp16-mixed": "16-mixed",
-    "16-mixed": "16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "bf16-true": "bf16-true",
-    "32-true": "32-true",
-    "64-true": "64-true",
-}
-"""Accepted names → Lightning's precision string (``trainer.precision``)."""
-
-NONFINITE_POLICIES = ("ignore", "skip", "raise")
-_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_COMPUTE_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-_TRUE_DTYPE = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "64-true": torch.float64}
-_SCALER_DEFAULTS: dict[str, Any] = {
-    "init_scale": 2.0**16,
-    "growth_factor": 2.0,
-    "backoff_factor": 0.5,
-    "growth_interval": 2000,
-    "hysteresis": 1,
-    "min_scale": 1.0,
-    "min_scale_policy": "raise",
-}
-
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
@@ -133,52 +107,25 @@ class MixedPrecision(Precision):
         log_grad_norm: bool = False,
         log_nonfinite: bool = False,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not one of {format_choices(PRECISIONS)}.")
-        self.precision = PRECISIONS[precision]  # type: ignore[assignment]  # Lightning's name, as trainer.precision
-        fp16 = self.precision == "16-mixed"
-        given = {
-            "init_scale": init_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "hysteresis": hysteresis,
-            "min_scale": min_scale,
-            "min_scale_policy": min_scale_policy,
-        }
-        set_options = [f"{k}={v!r}" for k, v in given.items() if v is not None]
-        if set_options and not fp16:
-            raise ValueError(
-                f"{', '.join(set_options)}: loss-scaler options apply to precision='fp16-mixed' only; "
-                f"precision={precision!r} has fp32's exponent range and needs no loss scaling. Drop them, or use "
-                "precision='fp16-mixed'."
-            )
-        if nonfinite_grads is not None and nonfinite_grads not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite_grads={nonfinite_grads!r} is not one of {format_choices(NONFINITE_POLICIES)}.")
-        if fp16 and nonfinite_grads not in (None, "skip"):
-            raise ValueError(
-                f"nonfinite_grads={nonfinite_grads!r} with precision='fp16-mixed': fp16 skips every step whose "
-                "gradients overflow and backs the loss scale off; min_scale_policy says what happens when that keeps "
-                "happening at the minimum scale. Leave nonfinite_grads unset."
-            )
-        if isinstance(reduce_dtype, str):
-            if reduce_dtype not in _REDUCE_DTYPES:
-                raise ValueError(f"reduce_dtype={reduce_dtype!r} is not one of {format_choices(_REDUCE_DTYPES)}.")
-            reduce_dtype = _REDUCE_DTYPES[reduce_dtype]
-        elif reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES.values():
-            raise ValueError(f"reduce_dtype={reduce_dtype!r} must be torch.float32, torch.bfloat16 or torch.float16.")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
-            norm_type == math.inf or norm_type > 0
-        ):
-            raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
+        options = PrecisionOptions.of(
+            precision,
+            scaler=dict(
+                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+                min_scale_policy=min_scale_policy,
+            ),  # fmt: skip
+            nonfinite_grads=nonfinite_grads,
+            reduce_dtype=reduce_dtype,
+            norm_type=norm_type,
+        )
+        self.precision = options.precision  # type: ignore[assignment]  # Lightning's name, as trainer.precision
         self.device = device
         self.scaler: DynamicLossScaler | None = None
-        if fp16:
-            options = {k: (_SCALER_DEFAULTS[k] if v is None else v) for k, v in given.items()}
-            self.scaler = DynamicLossScaler(**options, warn=lambda message: rank_zero_warn(message, category=RuntimeWarning))
-        self.nonfinite_grads = "skip" if fp16 else (nonfinite_grads or "ignore")
-        self.reduce_dtype = reduce_dtype
-        self.norm_type = float(norm_type)
+        if options.scaler is not None:
+            self.scaler = DynamicLossScaler(**options.scaler, warn=lambda message: rank_zero_warn(message, category=RuntimeWarning))
+        self.nonfinite_grads = options.nonfinite_grads
+        self.reduce_dtype = options.reduce_dtype
+        self.norm_type = options.norm_type
         self.log_grad_norm = log_grad_norm
         self.log_nonfinite = log_nonfinite
         self._skipped = 0  # bf16/fp32 with nonfinite_grads="skip"; fp16 counts in its scaler
@@ -201,11 +148,11 @@ class MixedPrecision(Precision):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype matmuls run in."""
-        return _COMPUTE_DTYPE.get(self.precision, _TRUE_DTYPE.get(self.precision, torch.float32))
+        return COMPUTE_DTYPE.get(self.precision, TRUE_DTYPE.get(self.precision, torch.float32))
 
     @property
     def is_mixed(self) -> bool:
-        return self.precision in _COMPUTE_DTYPE
+        return self.precision in COMPUTE_DTYPE
 
     @property
     def skipped_steps(self) -> int:
@@ -239,12 +186,12 @@ class MixedPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        dtype = _TRUE_DTYPE.get(self.precision)
+        dtype = TRUE_DTYPE.get(self.precision)
         return module.to(dtype=dtype) if dtype is not None and dtype != torch.float32 else module
 
     @override
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        dtype = _TRUE_DTYPE.get(self.precision)
+        dtype = TRUE_DTYPE.get(self.precision)
         return _default_dtype(dtype) if dtype is not None else contextlib.nullcontext()
 
     @override
@@ -253,7 +200,7 @@ class MixedPrecision(Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        dtype = _TRUE_DTYPE.get(self.precision)
+        dtype = TRUE_DTYPE.get(self.precision)
         if dtype is None or dtype == torch.float32:
             return data
         return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
