@@ -4,6 +4,7 @@ exactly the keys the code logs."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,14 +76,53 @@ def test_the_runnable_blocks_are_found() -> None:
         runnable_blocks("<!-- runnable -->\n```bash\ntrue\n```\n", "sample.md")
 
 
-def _param(block: Block) -> object:
-    # A block whose Trainer starts several processes (Lightning's launcher) takes ~20-50 s on 2 cores.
-    several = "Trainer(" in block.code and re.search(r"\bdevices=([2-9]|\d\d)", block.code)
-    return pytest.param(block, id=block.where, marks=[pytest.mark.slow] if several else [])
+def _several(block: Block) -> bool:
+    """A block whose Trainer starts several processes (Lightning's launcher): ~20-50 s on 2 cores."""
+    return bool("Trainer(" in block.code and re.search(r"\bdevices=([2-9]|\d\d)", block.code))
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_runnable_block_runs(block: Block, tmp_path: Path) -> None:
+_RUN_ALL = """
+import json, os, runpy, sys, traceback
+results = {}
+for where, script in json.loads(sys.argv[1]):
+    os.chdir(os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        results[where] = ""
+    except BaseException:
+        results[where] = traceback.format_exc()
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def one_process_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The one-process blocks, each in its own empty directory, run one after the other in one fresh
+    interpreter (a start-up of ~6 s each saved): what each block raised ('' when it ran)."""
+    scripts = []
+    for i, block in enumerate(b for b in BLOCKS if not _several(b)):
+        script = tmp_path_factory.mktemp(f"block{i}") / "block.py"
+        script.write_text(block.code)
+        scripts.append((block.where, str(script)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_ALL, json.dumps(scripts)], env=env, capture_output=True, text=True, timeout=600,
+        check=False,
+    )  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    assert line is not None, f"the blocks' interpreter died:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in BLOCKS if not _several(b)])
+def test_runnable_block_runs(block: Block, one_process_results: dict[str, str]) -> None:
+    """In an empty directory, as a reader copies it (the one-process blocks share an interpreter)."""
+    assert one_process_results[block.where] == "", f"{block.where} failed:\n{one_process_results[block.where]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in BLOCKS if _several(b)])
+def test_runnable_block_with_several_processes_runs(block: Block, tmp_path: Path) -> None:
     """In a fresh process, in an empty directory: each block stands alone, as a reader copies it."""
     script = tmp_path / "block.py"
     script.write_text(block.code)
