@@ -270,3 +270,9 @@ def test_the_chain_check_sees_an_upward_import() -> None:
     assert _cli_module("lightning_scale.cli.sweep") == "sweep" and "sweep" not in CLI_MAY_IMPORT["run"]
     assert _cli_module("lightning_scale.core.checks") is None and _cli_module("lightning_scale.cli") is None
     assert "lightning_scale.cli.run" in _module_graph()["lightning_scale.cli.sweep"]
+
+
+def test_no_module_is_over_400_lines() -> None:
+    # A module that long holds more than one job: split it by what it does (issue 25).
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

@@ -31,37 +31,6 @@ LIBRARIES = {
 }  # fmt: skip
 COMPAT_FILES = {PKG / "core" / "compat.py", PKG / "_lightning_compat.py"}
 
-PENDING_SWITCH: dict[str, set[str]] = {
-    # Rewritten in parallel (issue 25): the shims exist (lightning_scale._lightning_compat,
-    # lightning_scale.core.compat) or a public API replaces them; switch these over after the merge and
-    # empty this table (a stale entry fails test_pending_switch_lists_only_what_is_still_there).
-    "strategies": {
-        "_init_dist_connection",  # -> _lightning_compat.init_dist_connection
-        "_get_default_process_group_backend_for_device",  # -> public torch.distributed.Backend.default_device_backend_map
-        "_distributed_is_initialized",  # -> public dist.is_available() and dist.is_initialized()
-        "_SubprocessScriptLauncher",  # -> _lightning_compat.use_subprocess_launcher
-        "_launcher",  # -> _lightning_compat.use_subprocess_launcher
-        "_reset_optimizers_and_schedulers",  # -> public: self.optimizers = []; self.lr_scheduler_configs = []
-        "_checkpoint_io",  # -> _lightning_compat.CHECKPOINT_IO_FIELD
-        "_precision_plugin",  # -> _lightning_compat.PRECISION_PLUGIN_FIELD
-        "_checkpoint_connector",  # -> _lightning_compat.wrap_resume_start
-        "_trainer",  # -> _lightning_compat.attached_trainer
-        "_device_mesh",  # -> _lightning_compat.set_device_mesh
-        "_on_before_batch_transfer",  # -> _lightning_compat.before_batch_transfer
-        "_skip_backward",  # -> _lightning_compat.skips_backward
-        "_data_source",  # -> _lightning_compat.loop_data_source
-        "_apply",  # -> core.compat.apply_to_tensors
-        "_optimizer",  # -> public LightningOptimizer.optimizer
-        "_experiment",  # -> public WandbLogger.version (the run id)
-        "_id",  # -> public WandbLogger.version (the run id)
-    },
-    "cli": {
-        "_batches_that_stepped",  # -> _lightning_compat.set_batches_that_stepped
-        "_experiment",  # -> _lightning_compat.wandb_run_started
-    },
-}
-"""Private uses still allowed, by top-level folder of ``lightning_scale`` (strategies/ and cli/ only)."""
-
 OWN_MARKERS = {"_timed", "_residual_output"}
 """Private attributes the package sets on objects it does not own (a wrapped method, a layer) and reads back."""
 
@@ -189,24 +158,12 @@ def _all_private_uses() -> list[tuple[Path, int, str, str]]:
     return sorted(set(found + _inherited_private_uses()))
 
 
-def _pending(path: Path, name: str) -> bool:
-    parts = path.relative_to(PKG).parts if path.is_relative_to(PKG) else ()
-    return bool(parts) and len(parts) > 1 and name in PENDING_SWITCH.get(parts[0], set())
-
-
 def test_no_private_api_outside_the_compat_modules() -> None:
-    bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p, line, name, what in _all_private_uses() if not _pending(p, name)]
+    bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p, line, _, what in _all_private_uses()]
     assert not bad, (
         "private torch/Lightning APIs used outside lightning_scale/core/compat.py and lightning_scale/_lightning_compat.py; "
         "add a shim (with a canary in tests/test_compat.py) or use a public API:\n" + "\n".join(bad)
     )
-
-
-def test_pending_switch_lists_only_what_is_still_there() -> None:
-    used = {(p.relative_to(PKG).parts[0], name) for p, _, name, _ in _all_private_uses() if p.is_relative_to(PKG)}
-    stale = sorted((folder, name) for folder, names in PENDING_SWITCH.items() for name in names if (folder, name) not in used)
-    assert not stale, f"switched over: remove from PENDING_SWITCH {stale}"
-    assert set(PENDING_SWITCH) <= {"strategies", "cli"}
 
 
 def test_the_scan_sees_a_private_use() -> None:

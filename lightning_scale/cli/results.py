@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from lightning_scale._lightning_compat import wandb_run_started
 from lightning_scale.cli.job_config import config_fingerprint, layout_of
 
 __all__ = [
@@ -229,7 +230,7 @@ def finish_wandb(trainer: Trainer) -> None:
     """Close this job's wandb run: ``WandbLogger`` never does, so in a multirun every later job
     would log into the first job's run."""
     for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+        if isinstance(logger, WandbLogger) and trainer.is_global_zero and wandb_run_started(logger):
             logger.experiment.finish()
 
 

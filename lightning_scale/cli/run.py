@@ -17,6 +17,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig
 
+from lightning_scale._lightning_compat import set_batches_that_stepped
 from lightning_scale.callbacks import ConsoleLogger, PreemptionCheckpoint
 from lightning_scale.cli.environment import global_rank
 from lightning_scale.cli.job_config import instantiate, preflight
@@ -190,10 +191,10 @@ def _train(
         # step it resumes from, so the curves and the loggers' steps go on from there rather than from 0.
         if resume_step is not None:
             record.resume_step = resume_step
-            trainer.fit_loop.epoch_loop._batches_that_stepped = resume_step  # the step Lightning logs evaluation at
+            set_batches_that_stepped(trainer, resume_step)  # the step Lightning logs evaluation at
         metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
         record.resume_step = None
-        trainer.fit_loop.epoch_loop._batches_that_stepped = 0  # the fit restores it from the checkpoint
+        set_batches_that_stepped(trainer, 0)  # the fit restores it from the checkpoint
         if resume_step is None:
             record.initial_val_loss = float(metrics[0]["val/loss"])
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

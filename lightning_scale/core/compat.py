@@ -328,19 +328,11 @@ TORCH_SAVE_REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 """The ``(module, name)`` a ``torch.save``'d tensor's ``data.pkl`` rebuilds it with, from
 ``(storage, offset, size, stride, requires_grad, backward_hooks)``: private ``torch._utils._rebuild_tensor_v2``."""
 TORCH_SAVE_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}  # fmt: skip
 """The legacy storage class names (``torch.<name>``) ``data.pkl`` names in a storage's persistent id
 ``("storage", class, "0", location, numel)``, by dtype."""
 TORCH_SAVE_RECORDS = frozenset(
@@ -375,9 +367,7 @@ SHIMS: dict[str, Shim] = {
     "module_buffers": Shim(("torch.nn.Module()._buffers",), ("module_buffers",)),
     "module_children": Shim(("torch.nn.Module()._modules",), ("module_children",)),
     "apply_to_tensors": Shim(("torch.nn.Module._apply",), ("apply_to_tensors",)),
-    "module_hooks_suspended": Shim(
-        tuple(f"torch.nn.Module().{name}" for name in _HOOK_TABLES), ("module_hooks_suspended",)
-    ),
+    "module_hooks_suspended": Shim(tuple(f"torch.nn.Module().{name}" for name in _HOOK_TABLES), ("module_hooks_suspended",)),
     "foreach_norm": Shim(("torch._foreach_norm",), ("foreach_norm",)),
     "foreach_mul_": Shim(("torch._foreach_mul_",), ("foreach_mul_",)),
     "create_cpu_state_dict": Shim(

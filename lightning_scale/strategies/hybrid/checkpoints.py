@@ -23,6 +23,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_scale._lightning_compat import attached_trainer, wrap_resume_start
 from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.checkpoint.ties import names_under
@@ -35,8 +36,6 @@ from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
 from lightning_scale.plugins.preemption import PreemptionCheckpoint
 
 __all__ = ["ShardedCheckpoints", "sharded_state"]
-
-_RESOLVER = "_lightning_scale_resolves_ckpt_path"
 
 
 def sharded_state(module: LightningModule, runner: PipelineRunner | None) -> ShardedState:
@@ -74,17 +73,7 @@ class ShardedCheckpoints:
         checkpoint that verifies. Lightning passes the path to ``resume_start`` only, so that is wrapped,
         once per Trainer; the path is resolved with the plugin its strategy has then."""
         self.sharded(trainer.strategy.checkpoint_io)
-        connector = trainer._checkpoint_connector
-        if getattr(connector, _RESOLVER, False):
-            return
-        original = connector.resume_start
-
-        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            resolved = self.resolve_ckpt_path(trainer, trainer.strategy.checkpoint_io, checkpoint_path)
-            return original(resolved, weights_only=weights_only)
-
-        connector.resume_start = resume_start
-        setattr(connector, _RESOLVER, True)
+        wrap_resume_start(trainer, lambda path: self.resolve_ckpt_path(trainer, trainer.strategy.checkpoint_io, path))
 
     def resolve_ckpt_path(self, trainer: Trainer, checkpoint_io: CheckpointIO, path: Any) -> Any:
         """``"latest"`` (and an automatic resume): the checkpoint ``ShardedCheckpointIO.latest`` names.
@@ -170,8 +159,8 @@ class ShardedCheckpoints:
         whole = self._load_file(io, checkpoint_path, weights_only)
         if whole is not None:
             return whole
-        module = state.module
-        fitting = module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING
+        module, trainer = state.module, attached_trainer(state.module)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         template: dict[str, Any] = {"state_dict": state.model_state()}
         if fitting and optimizers:
             template["optimizer_states"] = [state.optimizer_state(o) for o in optimizers]
@@ -263,10 +252,8 @@ def _huggingface(module: LightningModule) -> dict[str, Any] | None:
 
 
 def _wandb_run_id(module: LightningModule) -> str | None:
-    trainer = module._trainer
-    for logger in getattr(trainer, "loggers", None) or []:
+    for logger in getattr(attached_trainer(module), "loggers", None) or []:
         if type(logger).__name__ == "WandbLogger":
-            experiment = getattr(logger, "_experiment", None)
-            run_id = getattr(experiment, "id", None) or getattr(logger, "_id", None)
+            run_id = logger.version  # the run's id once it started, else the one it was given
             return str(run_id) if run_id else None
     return None

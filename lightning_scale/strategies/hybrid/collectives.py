@@ -9,11 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
 from lightning.fabric.utilities.distributed import group as _group
 from torch import Tensor
 
-__all__ = ["barrier", "broadcast", "elastic_attempt_store", "init_world", "reduce"]
+from lightning_scale._lightning_compat import init_dist_connection
+
+__all__ = ["barrier", "broadcast", "default_backend", "elastic_attempt_store", "init_world", "reduce"]
 
 
 def init_world(environment: ClusterEnvironment, backend: str, world_size: int, timeout: Any) -> None:
@@ -23,12 +24,21 @@ def init_world(environment: ClusterEnvironment, backend: str, world_size: int, t
     store = elastic_attempt_store(world_size, timeout)
     if store is not None:
         kwargs["store"] = store
-    _init_dist_connection(environment, backend, **kwargs)
+    init_dist_connection(environment, backend, **kwargs)
+
+
+def default_backend(device: torch.device) -> str:
+    """The process group backend torch pairs with ``device``'s type (CUDA: NCCL), else gloo."""
+    return dist.Backend.default_device_backend_map.get(device.type, "gloo")
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()  # `is_initialized` exists only where `is_available()`
 
 
 def barrier(device: torch.device | None) -> None:
     """Every rank waits for the others (NCCL: on ``device``, this rank's GPU)."""
-    if not _distributed_is_initialized():
+    if not _initialized():
         return
     if dist.get_backend() == "nccl":
         assert device is not None
@@ -39,7 +49,7 @@ def barrier(device: torch.device | None) -> None:
 
 def broadcast(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` (any picklable object), on every rank."""
-    if not _distributed_is_initialized():
+    if not _initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src, group=_group.WORLD)
@@ -54,7 +64,7 @@ def reduce(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> An
     Over the world: tensor- and pipeline-parallel ranks of a replica log equal values, so the world
     mean is the data-parallel mean. Unlike Lightning's helper, no barrier before the all-reduce (the
     all-reduce synchronises already)."""
-    if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+    if not isinstance(tensor, Tensor) or not _initialized():
         return tensor
     group = _group.WORLD if group is None else group
     mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")

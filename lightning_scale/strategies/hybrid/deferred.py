@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_scale.core.compat import apply_to_tensors
 from lightning_scale.core.parallel.deferred_init import DeferredInit
 import lightning_scale.strategies.hybrid.collectives as collectives
 
@@ -47,7 +48,7 @@ class DeferredBuilder:
         if self.plan is None:
             move()
         else:
-            module._apply(lambda t: t if t.is_meta else t.to(device))
+            apply_to_tensors(module, lambda t: t if t.is_meta else t.to(device))
         return self.plan is not None
 
     def materialize(self, module: nn.Module, device: torch.device, extra_roots: Sequence[nn.Module] = ()) -> None:

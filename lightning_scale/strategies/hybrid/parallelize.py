@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_scale._lightning_compat import before_batch_transfer
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from lightning_scale.core.parallel.data_parallel import apply_data_parallel
 from lightning_scale.core.parallel.layout import Layout
@@ -88,7 +89,7 @@ def count_model_facts(
     if (facts.source == "none" or recomputes) and wanted and trainer.state.fn == TrainerFn.FITTING:
         batch = example_batch(trainer)
         if batch is not None:
-            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+            batch = before_batch_transfer(module, batch, dataloader_idx=0)
             if facts.source == "none":
                 facts.measure(module, batch)
             count_recomputation(module, options, facts, batch)

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_scale._lightning_compat import before_batch_transfer, loop_data_source
 from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec, with_registered_forward
 from lightning_scale.integrations.huggingface import unsupported_pipeline_family
 
@@ -182,7 +183,7 @@ def timing_batch(
             "batch to give (no datamodule or dataloaders, or an empty one). Pass the data to "
             "fit/validate/test/predict, or use partition='by_params'."
         )
-    batch = to_device(module._on_before_batch_transfer(convert(batch), dataloader_idx=0))
+    batch = to_device(before_batch_transfer(module, convert(batch), dataloader_idx=0))
     predicting = module.trainer.state.fn == TrainerFn.PREDICTING
     inputs, target, _ = pipeline_batch(module, batch, predicting=predicting, spec=pipeline_spec_of(module)[1])
     return inputs, target
@@ -201,7 +202,7 @@ def example_batch(trainer: Trainer) -> Any:
         TrainerFn.TESTING: trainer.test_loop,
         TrainerFn.PREDICTING: trainer.predict_loop,
     }.get(trainer.state.fn)
-    source = getattr(loop, "_data_source", None)
+    source = loop_data_source(loop)
     if source is None or not source.is_defined():
         return None
     loaders = source.dataloader()

@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_scale._lightning_compat import skips_backward
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.strategies.hybrid.pipeline_hooks import describe_batches, pipeline_batch
 
@@ -70,7 +71,7 @@ class PipelineSteps:
         runner, trainer = self._runner(), module.trainer
         inputs, target, kwargs = self._split(module, batch)
         self.stashed = []
-        if trainer.fit_loop._skip_backward:  # e.g. StochasticWeightAveraging's extra epoch: forward only
+        if skips_backward(trainer):  # e.g. StochasticWeightAveraging's extra epoch: forward only
             loss = runner.eval_step(inputs, target, kwargs)
         else:
             accumulate = trainer.accumulate_grad_batches

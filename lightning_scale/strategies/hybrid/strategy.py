@@ -11,12 +11,11 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from typing_extensions import override
 
+import lightning_scale._lightning_compat as lc
 import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.parallel.data_parallel import check_not_wrapped, gradient_sync_blocked, wrap_ddp
@@ -48,7 +48,7 @@ __all__ = ["HybridParallelStrategy"]
 
 
 def _unwrapped(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 @ParallelOptions.spelled_out  # the signature lists every option (inspect, help, the configs' checks)
@@ -152,31 +152,31 @@ class HybridParallelStrategy(ParallelStrategy):
     def precision_plugin(self) -> MixedPrecision:
         """Always a :class:`~lightning_scale.plugins.MixedPrecision`: Lightning's stock plugins (what
         ``Trainer(precision="bf16-mixed")`` builds) are replaced by the equivalent one, others refused."""
-        plugin = self._precision_plugin if self._precision_plugin is not None else self._default_precision
-        return plugin  # type: ignore[return-value]
+        plugin = getattr(self, lc.PRECISION_PLUGIN_FIELD)
+        return plugin if plugin is not None else self._default_precision
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        # None stays None: Lightning's connector reads `_precision_plugin` to tell a plugin given to the
-        # strategy from one given to the Trainer.
-        self._precision_plugin = None if precision_plugin is None else as_mesh_precision(precision_plugin)
+        # None stays None: Lightning's connector reads the field to tell a plugin given to the strategy from
+        # one given to the Trainer.
+        setattr(self, lc.PRECISION_PLUGIN_FIELD, None if precision_plugin is None else as_mesh_precision(precision_plugin))
 
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = ShardedCheckpointIO()
-        return self._checkpoint_io
+        if getattr(self, lc.CHECKPOINT_IO_FIELD) is None:
+            setattr(self, lc.CHECKPOINT_IO_FIELD, ShardedCheckpointIO())
+        return getattr(self, lc.CHECKPOINT_IO_FIELD)
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
+        setattr(self, lc.CHECKPOINT_IO_FIELD, io)
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            lc.use_subprocess_launcher(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -185,7 +185,7 @@ class HybridParallelStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = collectives.default_backend(self.root_device)
         assert self.cluster_environment is not None
         collectives.init_world(self.cluster_environment, self._process_group_backend, self.world_size, self._timeout)
         module = self.lightning_module
@@ -193,9 +193,9 @@ class HybridParallelStrategy(ParallelStrategy):
         sizes = {"world_size": self.world_size, "devices_per_node": self.num_processes, "num_nodes": self.num_nodes}
         self._mesh.setup(module, self.options, **sizes, device_type=self.root_device.type)
         # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
-        module._device_mesh = self.device_mesh
-        if module._trainer is not None:
-            self._checkpoints.install_path_resolver(module._trainer)
+        lc.set_device_mesh(module, self.device_mesh)
+        if (trainer := lc.attached_trainer(module)) is not None:
+            self._checkpoints.install_path_resolver(trainer)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -223,7 +223,7 @@ class HybridParallelStrategy(ParallelStrategy):
         plugin.gradient_scope = GradientScope(self.device_mesh, stage_dim="pp", excluded=excluded)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            self.optimizers, self.lr_scheduler_configs = [], []  # the setter empties the LightningOptimizers too
             self.setup_optimizers(trainer)
             self._checkpoints.add_preemption_checkpoint(trainer, self.checkpoint_io)
         self.setup_precision_plugin()
