@@ -758,6 +758,22 @@ def test_a_busy_moment_does_not_set_the_measured_peak(monkeypatch: pytest.Monkey
     assert peak == pytest.approx(2 * size**3 / tick, rel=0.05)  # the steady rate: the median of the repeats
 
 
+def test_a_dtype_without_fast_kernels_is_measured_on_a_smaller_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    # float16 matmuls on a CPU took 1.7 s each at 1024^2: 7 repeats of 2 made a 2-step fp16 run spend
+    # 30 s measuring its peak. Every timing here reads 1 s per call: the size halves down to 128.
+    from lightning_scale.core.telemetry import peaks
+
+    clock = _BusyThenSteadyClock(1.0, busy=0)
+    monkeypatch.setattr(peaks, "time", clock)
+    monkeypatch.setattr(peaks, "_MEASURED", {})
+    sizes: list[int] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(peaks.torch, "mm", lambda a, b: sizes.append(a.shape[0]) or real_mm(a, b))
+    peak = peaks.measured_peak("float16", size=1024, seconds=0.05)
+    assert sorted(set(sizes), reverse=True) == [1024, 512, 256, 128]
+    assert peak == pytest.approx(2 * 128**3 * 2 / 2.0)  # two calls of 1 s each per repeat, at 128^2
+
+
 def test_the_peak_is_measured_once_per_machine_and_recorded_for_the_study(tmp_path: Any) -> None:
     from lightning_scale.core.telemetry.peaks import machine_key, recorded_peak
 

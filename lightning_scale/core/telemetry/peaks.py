@@ -150,6 +150,7 @@ def device_peak(device_name: str, dtype: str) -> float | None:
 _TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
                  "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
 _MEASURED: dict[tuple[str, str, int, int], float] = {}
+_SMALLEST = 128
 
 PEAK_FILE_ENV = "LIGHTNING_SCALE_PEAK_FILE"
 """A JSON file of measured CPU peaks by machine (:func:`recorded_peak`); a sweep points its jobs at
@@ -161,7 +162,9 @@ def measured_peak(
 ) -> float:
     """FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` on ``device``: the median of ``repeats``
     timings of about ``seconds`` each, after a warm-up, so one busy moment does not set it (a single
-    short timing of a small matmul made MFU exceed 1 on a loaded machine). The peak for devices
+    short timing of a small matmul made MFU exceed 1 on a loaded machine). Where one matmul of that
+    size takes longer than ``seconds`` (a dtype without fast kernels on this device), the size is
+    halved until it does not (down to 128), so measuring never takes more than about a second. The peak for devices
     without a datasheet figure (CPUs), at this process's thread count; measured once per (device,
     dtype, size, threads) in a process. See :func:`recorded_peak` to measure once per machine."""
     if dtype not in _TORCH_DTYPES:
@@ -170,9 +173,17 @@ def measured_peak(
     check_positive_int("repeats", repeats)
     key = (device, dtype, size, torch.get_num_threads())
     if key not in _MEASURED:
-        a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
-        b = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
-        torch.mm(a, b)  # warm-up: kernels chosen, threads started
+        while True:
+            a = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
+            b = torch.randn(size, size, device=device).to(_TORCH_DTYPES[dtype])
+            torch.mm(a, b)  # warm-up: kernels chosen, threads started
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if time.perf_counter() - start <= seconds or size <= _SMALLEST:
+                break
+            # A dtype with no fast kernel here (float16 on most CPUs: 1.7 s per 1024^2 matmul, where
+            # bfloat16 takes 0.01 s) would take minutes at this size: measure a smaller matmul.
+            size //= 2
         rates = []
         for _ in range(repeats):
             calls, start = 0, time.perf_counter()
