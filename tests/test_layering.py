@@ -56,6 +56,7 @@ CORE_MAY_IMPORT = {
     "pipeline": {"compat", "checks", "parallel"},
     "precision": {"compat", "checks", "parallel"},
     "telemetry": {"compat", "checks", "parallel"},
+    "planner": {"compat", "checks", "parallel", "pipeline", "telemetry"},
 }
 """What each part of ``core`` may import from the rest of it (its own modules aside); the docstring of
 ``lightning_scale/core/__init__.py`` says the same. ``compat`` (torch's private APIs, one shim each) is a

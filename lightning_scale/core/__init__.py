@@ -15,7 +15,9 @@ exists anywhere in ``lightning_scale``):
   tied weights, timing), :mod:`~lightning_scale.core.checkpoint` (the directory format, DCP reading
   and writing, checksums, JSON state, storage), :mod:`~lightning_scale.core.precision` (loss
   scaling, gradient norms over meshes) and :mod:`~lightning_scale.core.telemetry` (FLOPs, model
-  facts, peaks, prices, numerical health): ``compat``, ``checks`` and ``parallel``, never each other.
+  facts, peaks, prices, numerical health): ``compat``, ``checks`` and ``parallel``, never each other;
+- :mod:`~lightning_scale.core.planner` (memory, step time and cost of every layout before a run): any
+  of the parts above but ``checkpoint`` and ``precision``.
 """
 
 from lightning_scale.core.checks import divisors, format_choices, suggest_multiples

@@ -1,0 +1,22 @@
+"""The auto-parallel planner: memory, step time, throughput and cost of every layout before a run.
+
+- :mod:`~lightning_scale.core.planner.cluster`: devices, links and cluster presets, each figure sourced;
+- :mod:`~lightning_scale.core.planner.shape`: a decoder's shape from a ``GPTConfig`` or Hugging Face config;
+- :mod:`~lightning_scale.core.planner.layout`: the workload and one candidate layout;
+- :mod:`~lightning_scale.core.planner.memory` and :mod:`~lightning_scale.core.planner.step_time`: the
+  estimates, term by term;
+- :mod:`~lightning_scale.core.planner.search`: every admissible layout, estimated and ranked;
+- :mod:`~lightning_scale.core.planner.published`: published measurements the model is checked against.
+
+Torch and the standard library only; it may import ``compat``, ``checks``, ``parallel``, ``pipeline``
+and ``telemetry`` from ``core`` (it sits above them).
+"""
+
+from lightning_scale.core.planner.cluster import CLUSTERS, Cluster, cluster
+from lightning_scale.core.planner.layout import Candidate, Workload
+from lightning_scale.core.planner.search import Estimate, candidates, estimate, plan
+from lightning_scale.core.planner.shape import ModelShape, model_shape
+from lightning_scale.core.planner.step_time import Efficiency
+
+__all__ = ["CLUSTERS", "Candidate", "Cluster", "Efficiency", "Estimate", "ModelShape", "Workload", "candidates",
+           "cluster", "estimate", "model_shape", "plan"]

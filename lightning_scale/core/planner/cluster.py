@@ -1,0 +1,167 @@
+"""The machines a plan is made for: a device type, devices per node, nodes, and the links between them.
+
+Each figure carries its source. Link bandwidths are *per device and per direction*: what one device
+can push while every device of its group does the same, which is what a ring collective's time
+depends on (an all-reduce of ``B`` bytes over ``n`` devices moves ``2 (n - 1) / n * B`` per device).
+Achieved bandwidth is lower than these nominal figures; the planner multiplies them by an efficiency
+(:class:`~lightning_scale.core.planner.step_time.Efficiency`) that calibration fits per link class.
+
+No Lightning; the peak FLOP/s come from :mod:`lightning_scale.core.telemetry.peaks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
+from lightning_scale.core.telemetry.peaks import PEAKS
+
+__all__ = ["CLUSTERS", "DEVICES", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster"]
+
+GiB = 2**30
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float
+    """Bytes/s per device and direction (nominal)."""
+    latency: float
+    """Seconds per message step of a collective."""
+    source: str
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    chip: str
+    """The row of :data:`~lightning_scale.core.telemetry.peaks.PEAKS` (``"cpu"``: measured, no row)."""
+    memory: float
+    """Bytes a program can allocate (what ``torch.cuda.get_device_properties().total_memory`` reports)."""
+    memory_bandwidth: float
+    """Bytes/s of device memory (HBM/GDDR): the optimizer step and other elementwise work run at this rate."""
+    price_key: str | None
+    """The row of :data:`~lightning_scale.core.telemetry.cost.PRICES` (None: no price)."""
+    source: str
+
+    def peak(self, dtype: str) -> float | None:
+        """Dense peak FLOP/s of a matmul in ``dtype`` (None: not in the table)."""
+        row = PEAKS.get(self.chip)
+        return None if row is None else row.flops.get(dtype)
+
+
+_NV = "https://www.nvidia.com/en-us/data-center/"
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("H100 SXM 80GB", "H100 SXM", 79.6 * GiB, 3.35e12, "H100 SXM",
+               _NV + "h100/ (80 GB HBM3 at 3.35 TB/s; 79.6 GiB as torch reports it)"),
+        Device("H200 SXM 141GB", "H200 SXM", 139.8 * GiB, 4.8e12, "H200 SXM",
+               _NV + "h200/ (141 GB HBM3e at 4.8 TB/s; 139.8 GiB as torch reports it)"),
+        Device("A100 SXM 80GB", "A100", 79.2 * GiB, 2.039e12, "A100 80GB",
+               _NV + "a100/ (80 GB HBM2e at 2,039 GB/s)"),
+        Device("A100 SXM 40GB", "A100", 39.4 * GiB, 1.555e12, "A100 40GB",
+               _NV + "a100/ (40 GB HBM2 at 1,555 GB/s)"),
+        Device("L4", "L4", 22.0 * GiB, 300e9, "L4", _NV + "l4/ (24 GB GDDR6 at 300 GB/s)"),
+        Device("L40S", "L40S", 44.4 * GiB, 864e9, "L40S", _NV + "l40s/ (48 GB GDDR6 at 864 GB/s)"),
+    )
+}  # fmt: skip
+
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in (
+        Link("nvlink4", 450 * GB, 5e-6, _NV + "nvlink/ (NVLink 4: 900 GB/s per GPU, both directions)"),
+        Link("nvlink3", 300 * GB, 5e-6, _NV + "nvlink/ (NVLink 3: 600 GB/s per GPU, both directions)"),
+        Link("ib-ndr", 50 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (NDR 400 Gb/s, one HCA per GPU)"),
+        Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s, one HCA per GPU)"),
+        Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
+        Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet per node, shared by its GPUs"),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The achieved fractions of nominal rates, per system (device and interconnect)."""
+
+    compute: float = 0.7
+    """Fraction of the peak FLOP/s a large matmul reaches."""
+    matmul_half: float = 128.0
+    """The smallest GEMM dimension at which a matmul reaches half of ``compute``'s rate."""
+    intra_link: float = 0.7
+    inter_link: float = 0.7
+    dp_overlap: float = 0.8
+    """Share of the data-parallel communication hidden behind the compute it can overlap."""
+    memory: float = 0.7
+    """Fraction of the memory bandwidth an elementwise optimizer update reaches."""
+    source: str = "defaults (not calibrated)"
+
+    def link(self, cluster: Cluster, link: Link) -> float:
+        return link.bandwidth * (self.intra_link if link is cluster.intra else self.inter_link)
+
+
+A100_MEGATRON = Efficiency(
+    compute=0.65, matmul_half=64.0, intra_link=0.5, inter_link=0.5,
+    source="fitted jointly (one set, a grid over compute, matmul_half and link efficiency) to the 10 rows of "
+    "Narayanan et al. 2021, Table 1 (lightning_scale.core.planner.published): Megatron-LM on DGX A100",
+)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    devices_per_node: int
+    nodes: int
+    intra: Link
+    """Between the devices of one node."""
+    inter: Link
+    """Between nodes."""
+    name: str = "custom"
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    """What this system achieves of its nominal rates (defaults until calibrated)."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("devices_per_node", self.devices_per_node, fix="It is the devices of one node.")
+        check_positive_int("nodes", self.nodes, fix="It is the number of nodes.")
+        check_positive_number("device memory", self.device.memory)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    def link(self, group_span: int) -> Link:
+        """The link a group of consecutive ranks spanning ``group_span`` devices talks over."""
+        return self.intra if group_span <= self.devices_per_node else self.inter
+
+    def with_size(self, *, nodes: int | None = None, devices_per_node: int | None = None) -> Cluster:
+        return replace(self, nodes=nodes or self.nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+
+def _preset(name: str, device: str, per_node: int, intra: str, inter: str, efficiency: Efficiency | None = None) -> Cluster:
+    return Cluster(DEVICES[device], per_node, 1, LINKS[intra], LINKS[inter], name, efficiency or Efficiency())
+
+
+CLUSTERS: dict[str, Cluster] = {
+    c.name: c
+    for c in (
+        _preset("h100-sxm", "H100 SXM 80GB", 8, "nvlink4", "ib-ndr"),
+        _preset("h200-sxm", "H200 SXM 141GB", 8, "nvlink4", "ib-ndr"),
+        _preset("a100-sxm-80", "A100 SXM 80GB", 8, "nvlink3", "ib-hdr", A100_MEGATRON),
+        _preset("a100-sxm-40", "A100 SXM 40GB", 8, "nvlink3", "ib-hdr", A100_MEGATRON),
+        _preset("l4-pcie", "L4", 8, "pcie4", "ethernet-100g"),
+        _preset("l40s-pcie", "L40S", 8, "pcie4", "ethernet-100g"),
+    )
+}
+"""One node of each usual system; :func:`cluster` sets the node count."""
+
+
+def cluster(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+    """A preset with ``nodes`` nodes (and optionally another number of devices per node)."""
+    if name not in CLUSTERS:
+        raise ValueError(
+            f"Unknown cluster {name!r}. Presets: {format_choices(CLUSTERS)}; or build a Cluster from a Device "
+            f"(lightning_scale.core.planner.cluster.DEVICES) and two Links."
+        )
+    check_positive_int("nodes", nodes, fix="It is the number of nodes.")
+    return CLUSTERS[name].with_size(nodes=nodes, devices_per_node=devices_per_node)

@@ -1,0 +1,113 @@
+"""What the planner plans: a training workload, and one candidate layout for it.
+
+:class:`Workload` is the batch, sequence length, precision and optimizer; :class:`Candidate` one way of
+running it: the data, tensor and pipeline sizes, how data parallelism shards, the pipeline schedule,
+the micro-batch and activation checkpointing. No Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_scale.core.checks import check_positive_int, format_choices
+from lightning_scale.core.pipeline.partition import SCHEDULES, stages_per_rank
+
+__all__ = ["CHECKPOINTING", "DP_MODES", "OPTIMIZERS", "PRECISION_BYTES", "Candidate", "Workload"]
+
+DP_MODES = ("ddp", "fsdp", "fsdp_grad_op", "hsdp")
+CHECKPOINTING = ("none", "selective", "full")
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+"""States per parameter, each of the parameter's dtype."""
+
+PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 4, 2),
+    "16-mixed": (4, 4, 2),
+    "bf16-true": (2, 2, 2),
+    "16-true": (2, 2, 2),
+}
+"""Bytes of a parameter, of a gradient and of a matmul's output, per precision (mixed precision keeps
+fp32 parameters and gradients, and computes matmuls in 16 bits)."""
+
+COMPUTE_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16", "bf16-true": "bfloat16",
+                 "16-true": "float16"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    global_batch: int
+    """Sequences per optimizer step, all data-parallel replicas together."""
+    seq_len: int
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        check_positive_int("global_batch", self.global_batch, fix="It is the sequences per optimizer step.")
+        check_positive_int("seq_len", self.seq_len, fix="It is the tokens per sequence.")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision={self.precision!r} is not one the planner knows: {format_choices(PRECISION_BYTES)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one the planner knows: {format_choices(OPTIMIZERS)}.")
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def compute_dtype(self) -> str:
+        return COMPUTE_DTYPE[self.precision]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    dp_mode: str = "ddp"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    """Sequences per micro-batch on one data-parallel replica."""
+    checkpointing: str = "none"
+    checkpoint_every: int = 2
+    """``selective``: every k-th block of a stage is checkpointed (``blocks[::k]``)."""
+    sequence_parallel: bool = False
+    hsdp_shard: int = 1
+    """``hsdp``: the devices each replica shards over (the rest replicate)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "checkpoint_every", "virtual_stages", "hsdp_shard"):
+            check_positive_int(name, getattr(self, name))
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(f"dp_mode={self.dp_mode!r}; valid: {format_choices(DP_MODES)}.")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={self.checkpointing!r}; valid: {format_choices(CHECKPOINTING)}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; valid: {format_choices(SCHEDULES)}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return stages_per_rank(self.schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    def microbatches(self, workload: Workload) -> int:
+        """Micro-batches per optimizer step on one replica (pipeline micro-batches, or gradient
+        accumulation steps without a pipeline)."""
+        return workload.global_batch // (self.dp * self.micro_batch)
+
+    def fits_batch(self, workload: Workload) -> bool:
+        return workload.global_batch % (self.dp * self.micro_batch) == 0
+
+    @property
+    def name(self) -> str:
+        mode = {"ddp": "dp", "fsdp": "fsdp", "fsdp_grad_op": "zero2", "hsdp": f"hsdp{self.hsdp_shard}x"}[self.dp_mode]
+        parts = [f"{mode}{self.dp}", f"tp{self.tp}{'sp' if self.sequence_parallel else ''}", f"pp{self.pp}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"v{self.virtual_stages}" if self.stages_per_rank > 1 else ""))
+        parts.append(f"mb{self.micro_batch}")
+        if self.checkpointing != "none":
+            parts.append("ac" if self.checkpointing == "full" else f"ac/{self.checkpoint_every}")
+        return "-".join(parts)

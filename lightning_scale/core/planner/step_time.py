@@ -1,0 +1,143 @@
+"""Time of one optimizer step, term by term. No Lightning.
+
+For the critical pipeline rank (the one with the most blocks, the head's FLOPs on the last):
+
+- ``compute``: the rank's training FLOPs (``6 n + 12 H Q T`` per token and block, the head's ``6 V d``
+  on the last stage; :meth:`~lightning_scale.core.planner.shape.ModelShape.block_flops_per_token`)
+  divided by ``tp``, at the device's peak for the compute dtype times :attr:`Efficiency.compute`,
+  scaled down for small matmuls (``n / (n + matmul_half)``, ``n`` the smallest GEMM dimension);
+- ``recompute``: the forwards activation checkpointing runs again in the backward (a third of the
+  checkpointed blocks' FLOPs);
+- ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
+  plus reduce-scatter under sequence parallelism: the same bytes) of the block's activations, two more
+  per recomputed block, over the link the ``tp`` group spans;
+- ``pipeline_transfers``: per micro-batch one activation forward and one gradient backward between
+  neighbouring stages;
+- ``bubble``: the schedule's idle share (:func:`~lightning_scale.core.pipeline.partition.bubble_fraction`,
+  the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time;
+- ``data_parallel``: the gradient all-reduce (``ddp``), or the parameter all-gathers of each
+  micro-batch's forward and backward and the gradients' reduce-scatter (``fsdp``; ``fsdp_grad_op``
+  gathers once), less the share hidden behind the compute (:attr:`Efficiency.dp_overlap`);
+- ``optimizer``: the update's memory traffic (parameters, gradients and states read, parameters
+  and states written) at the device's memory bandwidth.
+
+A ring collective over ``n`` devices moves ``2 (n - 1) / n`` times the buffer per device for an
+all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_scale.core.pipeline.partition import bubble_fraction
+from lightning_scale.core.planner.cluster import Cluster, Efficiency
+from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
+from lightning_scale.core.planner.memory import rank_blocks
+from lightning_scale.core.planner.shape import ModelShape
+
+__all__ = ["Efficiency", "TimeEstimate", "estimate_time"]  # Efficiency: defined with the clusters
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    terms: dict[str, float]
+    """Seconds per optimizer step, per term."""
+    model_flops: float
+    """Model FLOPs of one optimizer step (all devices; no recomputation)."""
+    hardware_flops: float
+    inputs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.terms.values())
+
+
+def _ring(n: int, nbytes: float, factor: float, bandwidth: float, latency: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return factor * (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def estimate_time(
+    shape: ModelShape, workload: Workload, candidate: Candidate, cluster: Cluster, efficiency: Efficiency | None = None,
+    *, peak: float | None = None,
+) -> TimeEstimate:
+    """The step time of ``candidate`` on ``cluster`` (at ``efficiency``, else the cluster's); ``peak``
+    overrides the device's FLOP/s (a CPU's measured one)."""
+    eff = efficiency or cluster.efficiency
+    pbytes, gbytes, a = PRECISION_BYTES[workload.precision]
+    peak = peak or cluster.device.peak(workload.compute_dtype)
+    if not peak:
+        raise ValueError(
+            f"No peak FLOP/s for {cluster.device.name} in {workload.compute_dtype}: pass peak= (FLOP/s per device)."
+        )
+    t, p, d = candidate.tp, candidate.pp, candidate.dp
+    m = candidate.microbatches(workload)
+    s = workload.seq_len
+    tokens_mb = candidate.micro_batch * s
+    blocks = rank_blocks(shape, p)
+    smallest = min(tokens_mb, max(shape.d_model // t, 1))
+    rate = peak * eff.compute * smallest / (smallest + eff.matmul_half)
+
+    block_flops = shape.block_flops_per_token(s) * tokens_mb / t
+    stage_flops = blocks * block_flops + shape.head_flops_per_token() * tokens_mb / t
+    if candidate.checkpointing == "full":
+        recomputed = blocks
+    elif candidate.checkpointing == "selective":
+        recomputed = math.ceil(blocks / candidate.checkpoint_every)
+    else:
+        recomputed = 0
+    compute = stage_flops / rate
+    recompute = recomputed * block_flops / 3 / rate
+
+    tp_link = cluster.link(t)
+    tp_bytes = tokens_mb * shape.d_model * a
+    tp_time = (4 * blocks + 2 * recomputed) * _ring(t, tp_bytes, 2, eff.link(cluster, tp_link), tp_link.latency)
+
+    p2p = 0.0
+    if p > 1:
+        pp_link = cluster.link(t * p)
+        width = shape.d_model / (t if candidate.sequence_parallel else 1)
+        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency
+
+    per_mb = compute + recompute + tp_time + p2p
+    bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
+    pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
+
+    params_rank = blocks * shape.block_parameters / t + (shape.embedding_parameters + shape.head_parameters) / t
+    dp_time = 0.0
+    if d > 1:
+        dp_link = cluster.link(candidate.world_size)
+        bw = eff.link(cluster, dp_link)
+        grads = params_rank * gbytes
+        if candidate.dp_mode == "ddp":
+            dp_time = _ring(d, grads, 2, bw, dp_link.latency)
+            window = per_mb * 2 / 3  # the last micro-batch's backward, where the gradients are reduced
+        else:
+            shard = candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d
+            gathers = 1 if candidate.dp_mode == "fsdp_grad_op" else 2 * m
+            dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, dp_link.latency) + _ring(shard, grads, 1, bw, dp_link.latency)
+            if candidate.dp_mode == "hsdp" and d > shard:
+                dp_time += _ring(d // shard, grads / shard, 2, bw, dp_link.latency)
+            window = m * per_mb
+        dp_time = max(dp_time - eff.dp_overlap * window, dp_time * (1 - eff.dp_overlap))
+
+    states = OPTIMIZERS[workload.optimizer]
+    o_shard = d if candidate.dp_mode in ("fsdp", "fsdp_grad_op") else (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else 1)
+    traffic = params_rank / o_shard * (2 * pbytes + gbytes + 2 * states * pbytes)
+    optimizer = traffic / (cluster.device.memory_bandwidth * eff.memory)
+
+    terms = {
+        "compute": m * compute,
+        "recompute": m * recompute,
+        "tensor_parallel": m * tp_time,
+        "pipeline_transfers": m * p2p,
+        "bubble": pipeline - m * per_mb,
+        "data_parallel": dp_time,
+        "optimizer": optimizer,
+    }
+    model_flops = shape.flops_per_token(s) * workload.tokens
+    hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
+    inputs = {"peak_flops": peak, "matmul_rate": rate, "microbatches": m, "bubble_fraction": bubble}
+    return TimeEstimate(terms, model_flops, hardware_flops, inputs)

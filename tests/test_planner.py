@@ -1,0 +1,210 @@
+"""The planner's model (core/planner): shapes read exactly, memory against torch's dispatch-level
+tracker on real steps, step time against published Megatron-LM measurements, the search's size and
+speed, and bad input refused before any work."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
+from lightning_scale.core.pipeline.partition import bubble_fraction
+from lightning_scale.core.planner import Candidate, Cluster, Workload, cluster, estimate, model_shape, plan
+from lightning_scale.core.planner.cluster import DEVICES, LINKS
+from lightning_scale.core.planner.memory import estimate_memory
+from lightning_scale.core.planner.published import NARAYANAN_2021, megatron_flops_per_step
+from lightning_scale.core.planner.search import candidates
+from lightning_scale.core.planner.step_time import estimate_time
+from lightning_scale.models import GPT, PRESETS, GPTConfig
+from lightning_scale.models.parallel import language_model_loss
+
+# ------------------------------------------------------------------------------------ shapes
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_shape_of_every_preset_counts_its_parameters_exactly(preset: str) -> None:
+    config = PRESETS[preset]
+    with torch.device("meta"):
+        model = GPT(config)
+    shape = model_shape(config)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_the_shape_of_a_hugging_face_config_counts_its_model_exactly(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = {
+        "llama": lambda: transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000, n_positions=64),
+        "qwen2": lambda: transformers.Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                                  tie_word_embeddings=True),
+    }[family]()  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = model_shape(config)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    if family == "qwen2":  # Qwen2's q/k/v projections carry biases (no flag says so): counted apart
+        biases = sum(m.bias.numel() for n, m in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj")))
+        assert shape.parameters + biases == sum(unique.values())
+    else:
+        assert shape.parameters == sum(unique.values())
+
+
+def test_a_config_the_planner_cannot_read_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"Cannot read a decoder's shape from dict: no layers, heads.*Pass a ModelShape"):
+        model_shape({"hidden_size": 64, "vocab_size": 10})
+    with pytest.raises(ValueError, match=r"mixture-of-experts config"):
+        model_shape({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10, "num_local_experts": 8})
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def _measured_peak(config: GPTConfig, batch: int, seq: int, checkpointing: str, precision: str) -> float:
+    """Peak bytes of live tensors (torch's MemTracker, a dispatch mode) over one training step after
+    the first (AdamW's state exists), on this CPU."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    apply_activation_checkpointing(list(model.blocks.values()), checkpointing, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, config.vocab_size, (batch, seq))
+    y = torch.randint(0, config.vocab_size, (batch, seq))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = language_model_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+
+
+_TINY = GPTConfig()
+_LLAMA_LIKE = GPTConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, mlp="swiglu", positional="rope", norm="rmsnorm",
+                        tie_embeddings=False, vocab_size=1000)  # fmt: skip
+MEMORY_CASES = {
+    "gpt-none-fp32": (_TINY, 8, 256, "none", "32-true"),
+    "gpt-full-fp32": (_TINY, 8, 256, "full", "32-true"),
+    "gpt-selective-fp32": (_TINY, 8, 256, "selective", "32-true"),
+    "gpt-none-bf16": (_TINY, 8, 256, "none", "bf16-mixed"),
+    "llama-like-none-fp32": (_LLAMA_LIKE, 4, 128, "none", "32-true"),
+    "llama-like-full-bf16": (_LLAMA_LIKE, 4, 128, "full", "bf16-mixed"),
+}
+
+
+def test_one_process_memory_is_within_10_percent_of_the_tracked_peak() -> None:
+    errors = {}
+    for name, (config, batch, seq, checkpointing, precision) in MEMORY_CASES.items():
+        measured = _measured_peak(config, batch, seq, checkpointing, precision)
+        candidate = Candidate(1, 1, 1, micro_batch=batch, checkpointing=checkpointing, checkpoint_every=2)
+        predicted = estimate_memory(model_shape(config), Workload(batch, seq, precision), candidate, foreach=False).total
+        errors[name] = predicted / measured - 1
+        print(f"{name}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {errors[name]:+.3f}")
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+def test_sharding_divides_the_states_the_mode_shards() -> None:
+    shape, workload = model_shape(PRESETS["gpt2-124m"]), Workload(64, 1024, "bf16-mixed")
+    ddp = estimate_memory(shape, workload, Candidate(8, 1, 1, dp_mode="ddp", micro_batch=8)).terms
+    fsdp = estimate_memory(shape, workload, Candidate(8, 1, 1, dp_mode="fsdp", micro_batch=8)).terms
+    zero2 = estimate_memory(shape, workload, Candidate(8, 1, 1, dp_mode="fsdp_grad_op", micro_batch=8)).terms
+    assert fsdp["parameters"] == pytest.approx(ddp["parameters"] / 8)
+    assert fsdp["optimizer"] == zero2["optimizer"] == pytest.approx(ddp["optimizer"] / 8)
+    assert zero2["parameters"] == ddp["parameters"]  # gathered from the forward to the backward
+    assert fsdp["fsdp_buffers"] > 0 and ddp["fsdp_buffers"] == 0
+
+
+# ------------------------------------------------------------------------------------ time
+
+
+def test_pipeline_bubble_is_the_schedules_predicted_share() -> None:
+    shape, workload = model_shape(PRESETS["350m"]), Workload(32, 1024, "bf16-mixed")
+    node = cluster("h100-sxm")
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        c = Candidate(2, 1, 4, schedule=schedule, virtual_stages=v, micro_batch=2)
+        terms = estimate_time(shape, workload, c, node).terms
+        pipeline = sum(terms[k] for k in ("compute", "recompute", "tensor_parallel", "pipeline_transfers", "bubble"))
+        assert terms["bubble"] / pipeline == pytest.approx(bubble_fraction(schedule, 4, 8, v))
+
+
+def test_a_single_device_step_is_compute_and_the_optimizer_only() -> None:
+    shape, workload = model_shape(PRESETS["gpt2-124m"]), Workload(8, 1024, "bf16-mixed")
+    node = cluster("h100-sxm", devices_per_node=1)
+    e = estimate_time(shape, workload, Candidate(1, 1, 1, micro_batch=8), node)
+    assert {k for k, v in e.terms.items() if v} == {"compute", "optimizer"}
+    rate = e.inputs["matmul_rate"]
+    assert e.terms["compute"] == pytest.approx(shape.flops_per_token(1024) * workload.tokens / rate)
+
+
+def test_published_megatron_throughput_within_15_percent_with_one_set_of_constants() -> None:
+    """Narayanan et al. 2021, Table 1: each row's layout (tp, pp, GPUs, batch) as published, the
+    schedule (1F1B or interleaved, as Megatron had) and micro-batch the planner's fastest, full
+    recomputation and no sequence parallelism (both as in the paper); the A100 preset's constants."""
+    errors = []
+    for run in NARAYANAN_2021:
+        node = cluster("a100-sxm-80", nodes=run.gpus // 8)
+        workload = Workload(run.global_batch, run.seq_len, "16-mixed")
+        options = [c for c in candidates(run.shape, workload, node, dp_modes=("ddp",), checkpointing=("full",),
+                                         schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
+                                         sequence_parallel=False, max_micro_batch=8)
+                   if (c.tp, c.pp) == (run.tp, run.pp)]  # fmt: skip
+        best = min((estimate_time(run.shape, workload, c, node) for c in options), key=lambda e: e.step_time)
+        predicted = megatron_flops_per_step(run) / best.step_time / run.gpus / 1e12
+        errors.append(predicted / run.tflops_per_gpu - 1)
+        print(f"{run.billions}B: predicted {predicted:.1f} TFLOP/s per GPU, published {run.tflops_per_gpu}, error {errors[-1]:+.3f}")
+    mean = sum(abs(e) for e in errors) / len(errors)
+    print(f"mean error {mean:.3f}, max {max(abs(e) for e in errors):.3f}")
+    assert mean <= 0.15
+
+
+# ------------------------------------------------------------------------------------ search
+
+
+def test_every_layout_of_a_70b_model_on_1024_h100s_is_ranked_in_seconds() -> None:
+    llama70b = model_shape({"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                            "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+                            "hidden_act": "silu", "tie_word_embeddings": False})  # fmt: skip
+    start = time.process_time()
+    ranked = plan(llama70b, Workload(1024, 4096, "bf16-mixed"), cluster("h100-sxm", nodes=128))
+    seconds = time.process_time() - start
+    assert seconds <= 30, seconds
+    assert len(ranked) > 1000
+    assert all(e.candidate.world_size == 1024 and e.candidate.tp <= 8 for e in ranked)
+    assert {e.candidate.pp for e in ranked} == {1, 2, 4, 8, 16, 32, 64}  # every depth up to the 80 blocks
+    fitting = [e for e in ranked if e.fits]
+    assert fitting and ranked[: len(fitting)] == fitting  # those that fit first
+    assert [e.tokens_per_sec for e in fitting] == sorted((e.tokens_per_sec for e in fitting), reverse=True)
+    best = fitting[0]
+    assert best.memory.total <= 0.9 * DEVICES["H100 SXM 80GB"].memory and 0.2 < best.mfu < 0.8
+    assert best.usd_per_million_tokens and best.usd_per_million_tokens > 0
+    # A model that is too big for DDP on a device: plain data parallelism never fits.
+    assert not any(e.fits for e in ranked if e.candidate.dp_mode == "ddp" and e.candidate.tp == e.candidate.pp == 1)
+
+
+def test_bad_input_is_refused_before_any_work() -> None:
+    with pytest.raises(ValueError, match=r"Unknown cluster 'h900'. Presets: 'a100-sxm-40', .*or build a Cluster"):
+        cluster("h900")
+    with pytest.raises(ValueError, match=r"^nodes=0 must be a positive integer"):
+        Cluster(DEVICES["L4"], 8, 0, LINKS["pcie4"], LINKS["ethernet-100g"])
+    with pytest.raises(ValueError, match=r"precision='fp8' is not one the planner knows"):
+        Workload(8, 128, "fp8")
+    shape = model_shape(PRESETS["tiny"])
+    # 4 blocks and 4 heads: at most tp=4 x pp=4, so 64 devices leave at least 4 data-parallel replicas.
+    with pytest.raises(ValueError, match=r"No layout of .* on 64 devices splits global_batch=7: .* are \[4, 8, 16, 32, 64\]"):
+        plan(shape, Workload(7, 128), cluster("h100-sxm", nodes=8))
+    with pytest.raises(ValueError, match=r"No peak FLOP/s for .* pass peak="):
+        estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), Cluster(
+            DEVICES["L4"].__class__("cpu", "cpu", 2**34, 1e10, None, "this machine"), 1, 1, LINKS["pcie4"], LINKS["pcie4"]))
+    assert math.isfinite(estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), cluster("l4-pcie")).tokens_per_sec)
