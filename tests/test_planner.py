@@ -4,8 +4,11 @@ speed, and bad input refused before any work."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,59 @@ def test_bad_input_is_refused_before_any_work() -> None:
         estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), Cluster(
             DEVICES["L4"].__class__("cpu", "cpu", 2**34, 1e10, None, "this machine"), 1, 1, LINKS["pcie4"], LINKS["pcie4"]))
     assert math.isfinite(estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), cluster("l4-pcie")).tokens_per_sec)
+
+
+# ------------------------------------------------------------------------------------ lightning-scale-plan
+
+
+def _plan_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_scale.cli import plan as plan_cli
+
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr("sys.argv", ["lightning-scale-plan"])
+    status = plan_cli.main(list(args))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_the_plan_app_ranks_explains_and_writes_its_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["model=350m", "data.global_batch_size=64", "data.seq_len=1024", "precision=bf16", "cluster=a100-sxm-80",
+           "cluster.nodes=2", "plan.token_budget=1e9", f"plan.out={tmp_path}"]  # fmt: skip
+    status, out, _ = _plan_cli(monkeypatch, capsys, *run)
+    assert status == 0, out
+    assert "on 16 x A100 SXM 80GB (2 node(s)), global batch 64 x 1024 tokens, bf16-mixed" in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    rows = doc["layouts"]
+    assert doc["inputs"]["devices"] == 16 and len(rows) > 100
+    fitting = [r for r in rows if r["fits"]]
+    assert rows[: len(fitting)] == fitting and fitting[0]["layout"] in out.splitlines()[3]  # the table's first row
+    assert [r["tokens_per_sec"] for r in fitting] == sorted((r["tokens_per_sec"] for r in fitting), reverse=True)
+    for r in rows[:5]:
+        assert r["memory_per_device_gib"] == pytest.approx(sum(r["memory_terms"].values()) / 2**30)
+        assert r["step_time_s"] == pytest.approx(sum(r["time_terms"].values()))
+        assert r["hours_to_budget"] == pytest.approx(1e9 / r["tokens_per_sec"] / 3600)
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+    status, out, _ = _plan_cli(monkeypatch, capsys, *run, "--explain", fitting[0]["layout"])
+    assert status == 0
+    for term in (*rows[0]["memory_terms"], *rows[0]["time_terms"], "inputs: microbatches="):
+        assert term in out, term
+    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--explain", "dp3-tp5-pp7-mb1")
+    assert status == 2 and "no layout named 'dp3-tp5-pp7-mb1'; the best are: " in err
+
+
+def test_the_plan_app_says_why_nothing_fits_and_refuses_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The 7B model on one 24 GB L4: the optimizer state alone is 50 GiB.
+    status, out, _ = _plan_cli(monkeypatch, capsys, "model=7b", "cluster=l4-pcie", "cluster.devices_per_node=1",
+                               f"plan.out={tmp_path}")  # fmt: skip
+    assert status == 0
+    assert re.search(r"No layout fits in 19\.8 GiB per device \(22\.0 GiB less the 10% headroom\)\. The smallest found, \S+, needs [\d.]+ GiB, most of it "
+                     r"optimizer \([\d.]+ GiB\); try fsdp", out), out  # fmt: skip
+    status, _, err = _plan_cli(monkeypatch, capsys, "cluster.name=h900", f"plan.out={tmp_path}")
+    assert status == 2 and "lightning-scale-plan: error: Unknown cluster 'h900'" in err

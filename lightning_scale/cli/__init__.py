@@ -1,4 +1,4 @@
-"""The command-line apps: ``lightning-scale-train`` (``train``), ``-prepare``, ``-ckpt`` and ``-report``.
+"""The command-line apps: ``lightning-scale-train`` (``train``), ``-prepare``, ``-ckpt``, ``-report`` and ``-plan``.
 
 ``lightning-scale-train`` is one chain of modules, each importing only those before it (never back;
 ``tests/test_layering.py`` enforces the direction, and that no import cycle exists anywhere):
@@ -20,5 +20,5 @@
 - :mod:`~lightning_scale.cli.train`: the entry point; any of them.
 
 The other apps stand apart: ``report`` (reads a study through ``results``, plots with ``report_plots``),
-``ckpt`` and ``prepare`` import no other ``cli`` module.
+``ckpt``, ``prepare`` and ``plan`` (the planner's Hydra app) import no other ``cli`` module.
 """

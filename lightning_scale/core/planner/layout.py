@@ -102,12 +102,22 @@ class Candidate:
         return workload.global_batch % (self.dp * self.micro_batch) == 0
 
     @property
+    def layout(self) -> str:
+        """The sizes and data-parallel mode, named as a sweep's jobs are (``dp2-tp1-pp1``, ``fsdp8-tp2-pp1``)."""
+        prefix = "dp" if self.dp_mode == "ddp" else self.dp_mode
+        return f"{prefix}{self.dp}-tp{self.tp}-pp{self.pp}"
+
+    @property
     def name(self) -> str:
-        mode = {"ddp": "dp", "fsdp": "fsdp", "fsdp_grad_op": "zero2", "hsdp": f"hsdp{self.hsdp_shard}x"}[self.dp_mode]
-        parts = [f"{mode}{self.dp}", f"tp{self.tp}{'sp' if self.sequence_parallel else ''}", f"pp{self.pp}"]
+        """The layout, then the pipeline schedule, micro-batch and checkpointing: unique in a plan."""
+        parts = [self.layout]
+        if self.hsdp_shard > 1:
+            parts.append(f"shard{self.hsdp_shard}")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("nosp")
         if self.pp > 1:
-            parts.append(self.schedule + (f"v{self.virtual_stages}" if self.stages_per_rank > 1 else ""))
+            parts.append(self.schedule + (f"v{self.virtual_stages}" if self.stages_per_rank > 1 and self.schedule.startswith("interleaved") else ""))
         parts.append(f"mb{self.micro_batch}")
         if self.checkpointing != "none":
-            parts.append("ac" if self.checkpointing == "full" else f"ac/{self.checkpoint_every}")
+            parts.append("ac" if self.checkpointing == "full" else f"ac{self.checkpoint_every}")
         return "-".join(parts)

@@ -1,0 +1,199 @@
+"""``lightning-scale-plan``: every layout of this run's model on a cluster, ranked before a GPU is spent.
+
+A Hydra app over the same config as ``lightning-scale-train`` (its ``model``, ``data``, ``trainer`` and
+``precision`` groups) plus a ``cluster`` group, so the plan of a run is the run's command with another
+name::
+
+    lightning-scale-plan model=7b data.global_batch_size=512 data.seq_len=4096 precision=bf16 \\
+        cluster=h100-sxm cluster.nodes=8
+    lightning-scale-plan model=7b cluster=h100-sxm --explain fsdp64-tp1-pp1-mb2-ac
+
+It prints the ranked table (fits, memory per device, step time, tokens/s, MFU, $ per million tokens,
+hours and $ to ``plan.token_budget``), writes ``plan.json`` (every layout with every term) and
+``plan.png`` (the Pareto front of $ against hours, and memory against step time) into ``plan.out``.
+``--explain LAYOUT`` (or ``plan.explain=LAYOUT``) prints each term of that layout with its inputs.
+When no layout fits, it names the smallest memory per device found, the term that dominates it and
+the changes that would make it fit. The estimates come from :mod:`lightning_scale.core.planner`.
+
+Stands apart from ``lightning-scale-train``'s chain: it imports no other ``cli`` module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_scale.core.planner import Estimate, Workload, cluster, model_shape, plan
+
+__all__ = ["explain", "main", "plan_from_config", "table"]
+
+GiB = 2**30
+
+
+def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
+    """The ranked estimates for a composed config, and what they were computed from."""
+    from hydra.utils import instantiate
+
+    model = instantiate(cfg.model) if "_target_" in cfg.model else OmegaConf.to_container(cfg.model)
+    shape = model_shape(model)
+    workload = Workload(int(cfg.data.global_batch_size), int(cfg.data.seq_len), str(cfg.precision.precision))
+    c = cfg.cluster
+    devices = c.devices_per_node if c.devices_per_node is not None else cfg.trainer.devices
+    nodes = c.nodes if c.nodes is not None else cfg.trainer.num_nodes
+    system = cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices))
+    budget = cfg.plan.token_budget
+    ranked = plan(shape, workload, system, headroom=float(cfg.plan.headroom), token_budget=float(budget) if budget else None)
+    inputs = {
+        "model": shape.name, "parameters": shape.parameters, "cluster": system.name, "device": system.device.name,
+        "devices": system.world_size, "device_memory": system.device.memory, "devices_per_node": system.devices_per_node, "nodes": system.nodes,
+        "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
+        "efficiency": system.efficiency.source, "headroom": float(cfg.plan.headroom), "token_budget": budget,
+    }  # fmt: skip
+    return ranked, inputs
+
+
+def _money(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}"
+
+
+def table(ranked: Sequence[Estimate], top: int) -> str:
+    head = f"{'#':>3}  {'layout':52s} {'fits':4s} {'GiB/dev':>8s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s} {'$/1M tok':>9s} {'hours':>8s} {'$ total':>12s}"
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(ranked[:top]):
+        hours = "-" if e.hours_to_budget is None else f"{e.hours_to_budget:,.1f}"
+        lines.append(
+            f"{i + 1:>3}  {e.name:52s} {'yes' if e.fits else 'NO':4s} {e.memory.total / GiB:8.2f} {e.time.step_time:8.3f} "
+            f"{e.tokens_per_sec:11,.0f} {e.mfu:6.1%} {_money(e.usd_per_million_tokens):>9s} {hours:>8s} {_money(e.usd_to_budget):>12s}"
+        )
+    return "\n".join(lines)
+
+
+def explain(estimate: Estimate) -> str:
+    """Every memory and time term of one layout, with the inputs they were computed from."""
+    c = estimate.candidate
+    lines = [f"{estimate.name}: dp={c.dp} ({c.dp_mode}) x tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} "
+             f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
+             f"activation checkpointing {c.checkpointing}"]  # fmt: skip
+    lines.append(f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "
+                 f"({'fits' if estimate.fits else 'does not fit'})")  # fmt: skip
+    lines += [f"  {k:18s} {v / GiB:10.3f} GiB" for k, v in estimate.memory.terms.items()]
+    lines.append(f"step time: {estimate.time.step_time:.4f} s")
+    lines += [f"  {k:18s} {v:10.4f} s" for k, v in estimate.time.terms.items()]
+    lines.append("inputs: " + ", ".join(f"{k}={v:.4g}" for k, v in {**estimate.memory.inputs, **estimate.time.inputs}.items()))
+    lines.append(f"tokens/s {estimate.tokens_per_sec:,.0f}, MFU {estimate.mfu:.1%}, "
+                 f"$ per million tokens {_money(estimate.usd_per_million_tokens)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _no_fit(ranked: Sequence[Estimate], memory: float, headroom: float) -> str:
+    smallest = min(ranked, key=lambda e: e.memory.total)
+    term = smallest.memory.dominant()
+    fixes = {
+        "activations": "full activation checkpointing, a smaller micro-batch or sequence length, or more tensor parallelism",
+        "optimizer": "fsdp (shards the optimizer state over data parallelism) or more devices",
+        "parameters": "fsdp, more tensor or pipeline parallelism, or more devices",
+        "gradients": "fsdp or fsdp_grad_op, or more devices",
+        "logits": "tensor parallelism (the vocabulary is split) or a smaller micro-batch",
+        "pipeline_buffers": "fewer micro-batches per step (a smaller global batch or larger micro-batch)",
+    }.get(term, "more devices")
+    return (
+        f"No layout fits in {memory * (1 - headroom) / GiB:.1f} GiB per device ({memory / GiB:.1f} GiB less the "
+        f"{headroom:.0%} headroom). The smallest found, {smallest.name}, needs "
+        f"{smallest.memory.total / GiB:.2f} GiB, most of it {term} ({smallest.memory.terms[term] / GiB:.2f} GiB); "
+        f"try {fixes}."
+    )
+
+
+def _plot(ranked: Sequence[Estimate], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fits = [e for e in ranked if e.fits]
+    fig, (cost, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    priced = [e for e in fits if e.usd_to_budget is not None]
+    if priced:
+        cost.scatter([e.hours_to_budget for e in priced], [e.usd_to_budget for e in priced], s=8, alpha=0.4)
+        front, best = [], float("inf")
+        for e in sorted(priced, key=lambda e: e.hours_to_budget or 0.0):
+            if e.usd_to_budget is not None and e.usd_to_budget < best:
+                front.append(e)
+                best = e.usd_to_budget
+        cost.plot([e.hours_to_budget for e in front], [e.usd_to_budget for e in front], "r-o", ms=3, label="Pareto front")
+        cost.set(xlabel="hours to the token budget", ylabel="$ to the token budget", title="cost against time")
+        cost.legend(loc="upper right")
+    else:
+        cost.text(0.5, 0.5, "no price or no plan.token_budget", ha="center", va="center", transform=cost.transAxes)
+    memory.scatter([e.time.step_time for e in ranked], [e.memory.total / GiB for e in ranked], s=8, alpha=0.4,
+                   c=["tab:green" if e.fits else "tab:red" for e in ranked])  # fmt: skip
+    memory.set(xlabel="step time (s)", ylabel="memory per device (GiB)", title="memory against step time (red: does not fit)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: DictConfig) -> int:
+    ranked, inputs = plan_from_config(cfg)
+    out = Path(str(cfg.plan.out))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"lightning-scale-plan: {inputs['model']} ({inputs['parameters'] / 1e9:.3g}B parameters) on {inputs['devices']} x "
+          f"{inputs['device']} ({inputs['nodes']} node(s)), global batch {inputs['global_batch']} x {inputs['seq_len']} tokens, "
+          f"{inputs['precision']}; {len(ranked)} layouts; efficiency: {inputs['efficiency']}")  # fmt: skip
+    if cfg.plan.explain:
+        chosen = [e for e in ranked if e.name == cfg.plan.explain]
+        if not chosen:
+            near = ", ".join(e.name for e in ranked[:5])
+            print(f"lightning-scale-plan: error: no layout named {cfg.plan.explain!r}; the best are: {near}", file=sys.stderr)
+            return 2
+        print(explain(chosen[0]))
+    else:
+        print(table(ranked, int(cfg.plan.top)))
+    if not ranked[0].fits:
+        print(_no_fit(ranked, inputs["device_memory"], inputs["headroom"]))
+    doc = {"inputs": inputs, "layouts": [{**e.row(), "memory_terms": e.memory.terms, "time_terms": e.time.terms} for e in ranked]}
+    (out / "plan.json").write_text(json.dumps(doc, indent=1))
+    _plot(ranked, out / "plan.png")
+    print(f"lightning-scale-plan: wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    return 0
+
+
+def _hydra_argv(argv: Sequence[str]) -> list[str]:
+    """``--explain LAYOUT`` as ``plan.explain=LAYOUT``; everything else as Hydra reads it."""
+    args, out = list(argv), []
+    while args:
+        arg = args.pop(0)
+        if arg == "--explain" and args:
+            out.append(f"plan.explain={args.pop(0)}")
+        elif arg.startswith("--explain="):
+            out.append(f"plan.explain={arg.split('=', 1)[1]}")
+        else:
+            out.append(arg)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import hydra
+
+    sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:] if argv is None else argv)]
+    status: list[int] = []
+
+    @hydra.main(version_base="1.3", config_path="pkg://lightning_scale.conf", config_name="plan")
+    def _main(cfg: DictConfig) -> None:
+        try:
+            status.append(run(cfg))
+        except ValueError as err:
+            print(f"lightning-scale-plan: error: {err}", file=sys.stderr)
+            status.append(2)
+
+    _main()
+    return status[0] if status else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
