@@ -4,26 +4,26 @@ speed, and bad input refused before any work."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
-from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner import Candidate, Cluster, Workload, cluster, estimate, model_shape, plan
 from lightning_scale.core.planner.cluster import DEVICES, LINKS
 from lightning_scale.core.planner.memory import estimate_memory
-from lightning_scale.core.planner.published import NARAYANAN_2021, megatron_flops_per_step
-from lightning_scale.core.planner.search import candidates
+from lightning_scale.core.planner.published import NARAYANAN_2021
 from lightning_scale.core.planner.step_time import estimate_time
-from lightning_scale.models import GPT, PRESETS, GPTConfig
-from lightning_scale.models.parallel import language_model_loss
+from lightning_scale.models import GPT, PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------------ shapes
 
@@ -69,53 +69,18 @@ def test_a_config_the_planner_cannot_read_is_refused_by_name() -> None:
 # ------------------------------------------------------------------------------------ memory
 
 
-def _measured_peak(config: GPTConfig, batch: int, seq: int, checkpointing: str, precision: str) -> float:
-    """Peak bytes of live tensors (torch's MemTracker, a dispatch mode) over one training step after
-    the first (AdamW's state exists), on this CPU."""
-    torch.manual_seed(0)
-    model = GPT(config)
-    apply_activation_checkpointing(list(model.blocks.values()), checkpointing, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, config.vocab_size, (batch, seq))
-    y = torch.randint(0, config.vocab_size, (batch, seq))
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = language_model_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        step()
-    return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
-
-
-_TINY = GPTConfig()
-_LLAMA_LIKE = GPTConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, mlp="swiglu", positional="rope", norm="rmsnorm",
-                        tie_embeddings=False, vocab_size=1000)  # fmt: skip
-MEMORY_CASES = {
-    "gpt-none-fp32": (_TINY, 8, 256, "none", "32-true"),
-    "gpt-full-fp32": (_TINY, 8, 256, "full", "32-true"),
-    "gpt-selective-fp32": (_TINY, 8, 256, "selective", "32-true"),
-    "gpt-none-bf16": (_TINY, 8, 256, "none", "bf16-mixed"),
-    "llama-like-none-fp32": (_LLAMA_LIKE, 4, 128, "none", "32-true"),
-    "llama-like-full-bf16": (_LLAMA_LIKE, 4, 128, "full", "bf16-mixed"),
-}
+def _benchmark() -> Any:
+    """``benchmarks/planner.py``, whose measurements these tests check (one copy of the cases)."""
+    spec = importlib.util.spec_from_file_location("planner_benchmark", ROOT / "benchmarks" / "planner.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_one_process_memory_is_within_10_percent_of_the_tracked_peak() -> None:
-    errors = {}
-    for name, (config, batch, seq, checkpointing, precision) in MEMORY_CASES.items():
-        measured = _measured_peak(config, batch, seq, checkpointing, precision)
-        candidate = Candidate(1, 1, 1, micro_batch=batch, checkpointing=checkpointing, checkpoint_every=2)
-        predicted = estimate_memory(model_shape(config), Workload(batch, seq, precision), candidate, foreach=False).total
-        errors[name] = predicted / measured - 1
-        print(f"{name}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {errors[name]:+.3f}")
-    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+    errors = _benchmark().memory_errors()  # six cases: GPT and Llama-like, fp32 and bf16, no/full/selective checkpointing
+    assert len(errors) == 6 and all(abs(e) <= 0.10 for e in errors.values()), errors
 
 
 def test_sharding_divides_the_states_the_mode_shards() -> None:
@@ -155,21 +120,9 @@ def test_published_megatron_throughput_within_15_percent_with_one_set_of_constan
     """Narayanan et al. 2021, Table 1: each row's layout (tp, pp, GPUs, batch) as published, the
     schedule (1F1B or interleaved, as Megatron had) and micro-batch the planner's fastest, full
     recomputation and no sequence parallelism (both as in the paper); the A100 preset's constants."""
-    errors = []
-    for run in NARAYANAN_2021:
-        node = cluster("a100-sxm-80", nodes=run.gpus // 8)
-        workload = Workload(run.global_batch, run.seq_len, "16-mixed")
-        options = [c for c in candidates(run.shape, workload, node, dp_modes=("ddp",), checkpointing=("full",),
-                                         schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
-                                         sequence_parallel=False, max_micro_batch=8)
-                   if (c.tp, c.pp) == (run.tp, run.pp)]  # fmt: skip
-        best = min((estimate_time(run.shape, workload, c, node) for c in options), key=lambda e: e.step_time)
-        predicted = megatron_flops_per_step(run) / best.step_time / run.gpus / 1e12
-        errors.append(predicted / run.tflops_per_gpu - 1)
-        print(f"{run.billions}B: predicted {predicted:.1f} TFLOP/s per GPU, published {run.tflops_per_gpu}, error {errors[-1]:+.3f}")
-    mean = sum(abs(e) for e in errors) / len(errors)
-    print(f"mean error {mean:.3f}, max {max(abs(e) for e in errors):.3f}")
-    assert mean <= 0.15
+    errors = _benchmark().published_errors()
+    assert len(errors) == len(NARAYANAN_2021) == 10
+    assert sum(abs(e) for e in errors) / len(errors) <= 0.15
 
 
 # ------------------------------------------------------------------------------------ search

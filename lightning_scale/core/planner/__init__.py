@@ -6,7 +6,8 @@
 - :mod:`~lightning_scale.core.planner.memory` and :mod:`~lightning_scale.core.planner.step_time`: the
   estimates, term by term;
 - :mod:`~lightning_scale.core.planner.search`: every admissible layout, estimated and ranked;
-- :mod:`~lightning_scale.core.planner.published`: published measurements the model is checked against.
+- :mod:`~lightning_scale.core.planner.published` and :mod:`~lightning_scale.core.planner.measure`: the
+  published measurements and the on-machine measurement the model is checked against.
 
 Torch and the standard library only; it may import ``compat``, ``checks``, ``parallel``, ``pipeline``
 and ``telemetry`` from ``core`` (it sits above them).
