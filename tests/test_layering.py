@@ -241,7 +241,8 @@ CLI_MAY_IMPORT = {
     "report": {"environment", "results", "report_plots"},
     "ckpt": set(),
     "prepare": set(),
-    "plan": set(),
+    "plan_sizing": set(),
+    "plan": {"plan_sizing"},
 }
 """What each module of ``cli`` may import from the rest of it: ``lightning-scale-train``'s one-way chain
 environment <- job_config <- results <- run <- sweep <- train (the docstring of ``lightning_scale/cli/__init__.py``

@@ -220,3 +220,49 @@ def test_the_plan_app_says_why_nothing_fits_and_refuses_bad_input(
                      r"optimizer \([\d.]+ GiB\); try fsdp", out), out  # fmt: skip
     status, _, err = _plan_cli(monkeypatch, capsys, "cluster.name=h900", f"plan.out={tmp_path}")
     assert status == 2 and "lightning-scale-plan: error: Unknown cluster 'h900'" in err
+
+
+# ------------------------------------------------------------------------------------ compute-optimal sizing
+
+
+@pytest.mark.parametrize("law", ["besiroglu2024", "hoffmann2022"])
+def test_the_compute_optimal_point_spends_the_budget_at_the_least_loss(law: str) -> None:
+    from lightning_scale.core.planner.sizing import LAWS
+
+    scaling = LAWS[law]
+    for flops in (1e20, 1e23, 1e25):
+        n, d = scaling.optimal(flops)
+        assert 6 * n * d == pytest.approx(flops)
+        for factor in (0.8, 1.25):  # any other split of the same compute loses more
+            assert scaling.loss(n * factor, d / factor) > scaling.loss(n, d)
+    n, d = LAWS["besiroglu2024"].optimal(1e24)
+    assert 15 < d / n < 30  # the refit's ~20 tokens per parameter
+
+
+def test_a_law_fitted_to_runs_recovers_the_law_that_made_them() -> None:
+    from lightning_scale.core.planner.sizing import HOFFMANN_2022, fit_law
+
+    runs = [(n, d, HOFFMANN_2022.loss(n, d)) for n in (1e7, 1e8, 1e9) for d in (1e9, 1e10, 1e11)]
+    fitted = fit_law(runs)
+    for n, d, loss in runs:
+        assert fitted.loss(n, d) == pytest.approx(loss, rel=1e-3)
+    assert fitted.alpha == pytest.approx(0.34, rel=0.05) and fitted.beta == pytest.approx(0.28, rel=0.05)
+    with pytest.raises(ValueError, match=r"needs at least 5 runs .* got 2"):
+        fit_law(runs[:2])
+
+
+def test_the_plan_app_sizes_a_model_for_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = ["data.global_batch_size=512", "data.seq_len=2048", "precision=bf16", "cluster.nodes=8", "plan.top=1",
+           f"plan.out={tmp_path}"]  # fmt: skip
+    status, out, _ = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24")
+    assert status == 0, out
+    sizing = json.loads((tmp_path / "plan.json").read_text())["sizing"]
+    assert "compute-optimal for" in out and f"nearest preset model={sizing['preset']}" in out
+    assert sizing["hours"] == 24 and sizing["fits"] and sizing["usd"] == pytest.approx(24 * 64 * 55.04 / 8)
+    assert sizing["optimal_tokens"] * sizing["optimal_parameters"] * 6 == pytest.approx(sizing["budget_flops"])
+    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--law", "kaplan")
+    assert status == 2 and "plan.law='kaplan' is not a law the planner knows" in err
+    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--budget-usd", "5")
+    assert status == 2 and "Give exactly one budget" in err

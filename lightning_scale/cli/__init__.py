@@ -20,5 +20,6 @@
 - :mod:`~lightning_scale.cli.train`: the entry point; any of them.
 
 The other apps stand apart: ``report`` (reads a study through ``results``, plots with ``report_plots``),
-``ckpt``, ``prepare`` and ``plan`` (the planner's Hydra app) import no other ``cli`` module.
+``ckpt`` and ``prepare`` import no other ``cli`` module, ``plan`` (the planner's Hydra app) only
+``plan_sizing`` (compute-optimal sizing for a budget).
 """

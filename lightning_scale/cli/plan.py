@@ -12,10 +12,13 @@ It prints the ranked table (fits, memory per device, step time, tokens/s, MFU, $
 hours and $ to ``plan.token_budget``), writes ``plan.json`` (every layout with every term) and
 ``plan.png`` (the Pareto front of $ against hours, and memory against step time) into ``plan.out``.
 ``--explain LAYOUT`` (or ``plan.explain=LAYOUT``) prints each term of that layout with its inputs.
+``--budget-usd``, ``--budget-hours`` or ``--budget-flops`` (with ``--law besiroglu2024``, the default,
+``hoffmann2022`` or ``fit``) add the compute-optimal model and tokens for that budget
+(:mod:`lightning_scale.cli.plan_sizing`).
 When no layout fits, it names the smallest memory per device found, the term that dominates it and
 the changes that would make it fit. The estimates come from :mod:`lightning_scale.core.planner`.
 
-Stands apart from ``lightning-scale-train``'s chain: it imports no other ``cli`` module.
+Stands apart from ``lightning-scale-train``'s chain: it imports only ``plan_sizing`` from ``cli``.
 """
 
 from __future__ import annotations
@@ -28,24 +31,28 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_scale.core.planner import Estimate, Workload, cluster, model_shape, plan
+from lightning_scale.cli.plan_sizing import describe, law_named, size_for_budget
+from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, model_shape, plan
 
 __all__ = ["explain", "main", "plan_from_config", "table"]
 
 GiB = 2**30
 
 
-def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
-    """The ranked estimates for a composed config, and what they were computed from."""
+def _setup(cfg: DictConfig) -> tuple[ModelShape, Workload, Cluster]:
     from hydra.utils import instantiate
 
     model = instantiate(cfg.model) if "_target_" in cfg.model else OmegaConf.to_container(cfg.model)
-    shape = model_shape(model)
     workload = Workload(int(cfg.data.global_batch_size), int(cfg.data.seq_len), str(cfg.precision.precision))
     c = cfg.cluster
     devices = c.devices_per_node if c.devices_per_node is not None else cfg.trainer.devices
     nodes = c.nodes if c.nodes is not None else cfg.trainer.num_nodes
-    system = cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices))
+    return model_shape(model), workload, cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices))
+
+
+def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
+    """The ranked estimates for a composed config, and what they were computed from."""
+    shape, workload, system = _setup(cfg)
     budget = cfg.plan.token_budget
     ranked = plan(shape, workload, system, headroom=float(cfg.plan.headroom), token_budget=float(budget) if budget else None)
     inputs = {
@@ -156,22 +163,33 @@ def run(cfg: DictConfig) -> int:
         print(table(ranked, int(cfg.plan.top)))
     if not ranked[0].fits:
         print(_no_fit(ranked, inputs["device_memory"], inputs["headroom"]))
-    doc = {"inputs": inputs, "layouts": [{**e.row(), "memory_terms": e.memory.terms, "time_terms": e.time.terms} for e in ranked]}
+    doc: dict[str, Any] = {"inputs": inputs}
+    budgets = {k: cfg.plan.get(f"budget_{k}") for k in ("usd", "hours", "flops")}
+    if any(v is not None for v in budgets.values()):
+        _, workload, system = _setup(cfg)
+        law = law_named(str(cfg.plan.law), list(cfg.plan.fit_studies or []))
+        doc["sizing"] = size_for_budget(law, system, workload, **{k: float(v) for k, v in budgets.items() if v is not None})
+        print(describe(doc["sizing"]))
+    doc["layouts"] = [{**e.row(), "memory_terms": e.memory.terms, "time_terms": e.time.terms} for e in ranked]
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     _plot(ranked, out / "plan.png")
     print(f"lightning-scale-plan: wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
 
 
+_FLAGS = {"--explain": "plan.explain", "--budget-usd": "plan.budget_usd", "--budget-hours": "plan.budget_hours",
+          "--budget-flops": "plan.budget_flops", "--law": "plan.law"}  # fmt: skip
+
+
 def _hydra_argv(argv: Sequence[str]) -> list[str]:
-    """``--explain LAYOUT`` as ``plan.explain=LAYOUT``; everything else as Hydra reads it."""
+    """``--explain LAYOUT``, ``--budget-usd X`` (``-hours``, ``-flops``) and ``--law NAME`` as their
+    ``plan.*`` overrides; everything else as Hydra reads it."""
     args, out = list(argv), []
     while args:
         arg = args.pop(0)
-        if arg == "--explain" and args:
-            out.append(f"plan.explain={args.pop(0)}")
-        elif arg.startswith("--explain="):
-            out.append(f"plan.explain={arg.split('=', 1)[1]}")
+        flag, _, value = arg.partition("=")
+        if flag in _FLAGS and (value or args):
+            out.append(f"{_FLAGS[flag]}={value or args.pop(0)}")
         else:
             out.append(arg)
     return out
