@@ -294,6 +294,15 @@ def canary_fsdp_replicate() -> None:
     assert "mesh" in parameters and parameters["mesh"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def canary_memory_tracker() -> None:
+    present("memory_tracker")
+    tracker = tc.memory_tracker()()
+    assert callable(tracker.track_external) and callable(tracker.get_tracker_snapshot)
+    with tracker:
+        kept = torch.ones(1024)  # 4 KiB of live tensor storage, counted at its peak
+    assert sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()) >= kept.numel() * 4
+
+
 def _module_table(entry: str, shim: Callable[[nn.Module], dict], public: str) -> None:
     present(entry)
     module = probe(entry, "torch.nn.Module")

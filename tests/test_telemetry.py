@@ -839,7 +839,9 @@ def test_memory_on_cpu_is_the_processs_resident_set() -> None:
     peak_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     with open("/proc/self/status") as f:
         rss_now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024 / 2**30
-    assert 0 < last["memory/rss_gib"] <= last["memory/peak_rss_gib"] <= peak_now
+    # The logged peak is the one getrusage gives (0.1% slack: once, under two test workers, it read 100 KB
+    # above a later reading).
+    assert 0 < last["memory/rss_gib"] <= last["memory/peak_rss_gib"] <= peak_now * 1.001
     assert last["memory/rss_gib"] == pytest.approx(rss_now, rel=0.2)
 
 

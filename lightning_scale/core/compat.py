@@ -51,6 +51,7 @@ __all__ = [
     "flatten_mesh",
     "foreach_mul_",
     "foreach_norm",
+    "memory_tracker",
     "forward_action_types",
     "fsdp_replicate",
     "gradient_sync_held_off",
@@ -254,6 +255,12 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar: float) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
+def memory_tracker() -> Any:
+    """``MemTracker`` (private ``torch.distributed._tools.mem_tracker``): a dispatch mode counting every live
+    tensor's storage, the planner's memory reference. Public alternative: ``torch.cuda.max_memory_allocated`` (CUDA only)."""
+    return _private("torch.distributed._tools.mem_tracker", "MemTracker", "memory_tracker")
+
+
 # ---------------------------------------------------------------- distributed checkpoints (DCP)
 
 
@@ -359,9 +366,7 @@ SHIMS: dict[str, Shim] = {
         ),
         ("keep_lowered_actions",),
     ),
-    "perform_reduce_grad": Shim(
-        ("torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad",), ("gradient_sync_held_off",)
-    ),
+    "perform_reduce_grad": Shim(("torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad",), ("gradient_sync_held_off",)),
     "fsdp_replicate": Shim(("torch.distributed._composable.replicate_with_fsdp.replicate",), ("fsdp_replicate",)),
     "module_parameters": Shim(("torch.nn.Module()._parameters",), ("module_parameters",)),
     "module_buffers": Shim(("torch.nn.Module()._buffers",), ("module_buffers",)),
@@ -370,13 +375,10 @@ SHIMS: dict[str, Shim] = {
     "module_hooks_suspended": Shim(tuple(f"torch.nn.Module().{name}" for name in _HOOK_TABLES), ("module_hooks_suspended",)),
     "foreach_norm": Shim(("torch._foreach_norm",), ("foreach_norm",)),
     "foreach_mul_": Shim(("torch._foreach_mul_",), ("foreach_mul_",)),
-    "create_cpu_state_dict": Shim(
-        ("torch.distributed._state_dict_utils._create_cpu_state_dict",), ("create_cpu_state_dict",)
-    ),
+    "memory_tracker": Shim(("torch.distributed._tools.mem_tracker.MemTracker",), ("memory_tracker",)),
+    "create_cpu_state_dict": Shim(("torch.distributed._state_dict_utils._create_cpu_state_dict",), ("create_cpu_state_dict",)),
     "copy_state_dict": Shim(("torch.distributed._state_dict_utils._copy_state_dict",), ("copy_state_dict",)),
-    "dcp_fsspec_filesystem": Shim(
-        ("torch.distributed.checkpoint._fsspec_filesystem.FileSystem",), ("dcp_fsspec_filesystem",)
-    ),
+    "dcp_fsspec_filesystem": Shim(("torch.distributed.checkpoint._fsspec_filesystem.FileSystem",), ("dcp_fsspec_filesystem",)),
     "strip_protocol": Shim(
         ("fsspec.spec.AbstractFileSystem._strip_protocol",), ("strip_protocol",), f"fsspec {FSSPEC_VERSION}"
     ),
@@ -388,9 +390,7 @@ SHIMS: dict[str, Shim] = {
         ("DCP_METADATA_FILE", "DCP_DATA_FILE", "dcp_metadata_file"),
     ),
     "dcp_storage_info_type": Shim(("torch.distributed.checkpoint.filesystem._StorageInfo",), ("dcp_storage_info_type",)),
-    "dcp_memory_format_encoding": Shim(
-        ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",), ("dcp_memory_format_encoding",)
-    ),
+    "dcp_memory_format_encoding": Shim(("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",), ("dcp_memory_format_encoding",)),
     "torch_layout_pickle_name": Shim(("torch.serialization._get_layout",), ("TORCH_LAYOUT_PICKLE_NAME",)),
     "torch_save_layout": Shim(
         ("torch._utils._rebuild_tensor_v2", "torch.serialization._save"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed._tools.mem_tracker import MemTracker
+from lightning_scale.core.compat import memory_tracker
 
 __all__ = ["tracked_peak"]
 
@@ -20,7 +20,7 @@ __all__ = ["tracked_peak"]
 def tracked_peak(step: Callable[[], Any], *state: Any) -> int:
     """Peak bytes of live tensors while ``step()`` runs, the tensors of ``state`` (modules, optimizers)
     counted from the start; summed over devices."""
-    tracker = MemTracker()
+    tracker = memory_tracker()()
     if state:
         tracker.track_external(*state)
     with tracker:
