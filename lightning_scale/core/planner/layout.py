@@ -7,6 +7,7 @@ the micro-batch and activation checkpointing. No Lightning.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_scale.core.checks import check_positive_int, format_choices
@@ -92,6 +93,12 @@ class Candidate:
     @property
     def stages_per_rank(self) -> int:
         return stages_per_rank(self.schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    def checkpointed_blocks(self, blocks: int) -> int:
+        """How many of a rank's ``blocks`` activation checkpointing wraps (``blocks[::k]`` when selective)."""
+        if self.checkpointing == "full":
+            return blocks
+        return math.ceil(blocks / self.checkpoint_every) if self.checkpointing == "selective" else 0
 
     def microbatches(self, workload: Workload) -> int:
         """Micro-batches per optimizer step on one replica (pipeline micro-batches, or gradient

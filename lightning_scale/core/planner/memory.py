@@ -153,12 +153,7 @@ def _rank_estimate(
         terms["fsdp_buffers"] = block_params * gbytes
     m = candidate.microbatches(workload)
     saved, kept = _block_activation_bytes(shape, workload, candidate)
-    if candidate.checkpointing == "full":
-        checkpointed = blocks
-    elif candidate.checkpointing == "selective":
-        checkpointed = math.ceil(blocks / candidate.checkpoint_every)
-    else:
-        checkpointed = 0
+    checkpointed = candidate.checkpointed_blocks(blocks)
     per_microbatch = (blocks - checkpointed) * saved + checkpointed * kept
     terms["activations"] = in_flight(candidate, m, rank) * per_microbatch
     terms["logits"] = 0.0

@@ -27,7 +27,6 @@ all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
@@ -82,12 +81,7 @@ def estimate_time(
 
     block_flops = shape.block_flops_per_token(s) * tokens_mb / t
     stage_flops = blocks * block_flops + shape.head_flops_per_token() * tokens_mb / t
-    if candidate.checkpointing == "full":
-        recomputed = blocks
-    elif candidate.checkpointing == "selective":
-        recomputed = math.ceil(blocks / candidate.checkpoint_every)
-    else:
-        recomputed = 0
+    recomputed = candidate.checkpointed_blocks(blocks)
     compute = stage_flops / rate
     recompute = recomputed * block_flops / 3 / rate
 
