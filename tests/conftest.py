@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,10 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # What Lightning's `_init_dist_connection` writes into os.environ for the process group it creates.
+# The planner's calibrations (lightning_scale.core.planner.calibration): never the user's ~/.cache one, so a
+# calibration made on this machine changes no test; one file per test process, empty at the start.
+os.environ["LIGHTNING_SCALE_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="ls-calibration-"), "calibration.json")
+
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
 
 

@@ -242,7 +242,8 @@ CLI_MAY_IMPORT = {
     "ckpt": set(),
     "prepare": set(),
     "plan_sizing": set(),
-    "plan": {"plan_sizing"},
+    "plan_calibrate": set(),
+    "plan": {"plan_sizing", "plan_calibrate"},
 }
 """What each module of ``cli`` may import from the rest of it: ``lightning-scale-train``'s one-way chain
 environment <- job_config <- results <- run <- sweep <- train (the docstring of ``lightning_scale/cli/__init__.py``

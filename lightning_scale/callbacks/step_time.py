@@ -176,4 +176,6 @@ class StepTimeBreakdown(telemetry.TimedCallback):
                 out[f"pipeline/stage{k}/idle"] = stage_totals[2 * k + 1] / ranks_per_stage / steps
         out["train/step_time/total"] = sum(out[f"train/step_time/{p}"] for p in (*_PARTS, "bubble") if
                                            f"train/step_time/{p}" in out)  # fmt: skip
-        return out
+        # layout="auto": the planner's figures for the layout it chose, beside the measured ones.
+        chosen = getattr(getattr(trainer.strategy, "auto_layout", None), "chosen", None)
+        return out | (chosen.metrics() if chosen is not None else {})

@@ -21,5 +21,5 @@
 
 The other apps stand apart: ``report`` (reads a study through ``results``, plots with ``report_plots``),
 ``ckpt`` and ``prepare`` import no other ``cli`` module, ``plan`` (the planner's Hydra app) only
-``plan_sizing`` (compute-optimal sizing for a budget).
+``plan_sizing`` (compute-optimal sizing for a budget) and ``plan_calibrate`` (``lightning-scale-plan calibrate``).
 """

@@ -94,6 +94,9 @@ def layout_of(cfg: Mapping[str, Any], strategy_choice: str | None = None) -> dic
     world = world_size(cfg)
     strategy = cfg.get("strategy") or {}
     target = str(strategy.get("_target_", ""))
+    if target.endswith("HybridParallelStrategy") and strategy.get("layout") == "auto":
+        # Chosen when the run starts; results.json records the choice (cli.results.job_results).
+        return {"name": f"auto-x{world}", "dp": world, "tp": 1, "pp": 1, "mode": "auto", "world_size": world}
     if target.endswith("HybridParallelStrategy"):
         layout = _mesh_layout(cfg)
         mode = str(strategy.get("data_parallel_mode", "ddp"))

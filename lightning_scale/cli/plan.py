@@ -14,11 +14,13 @@ hours and $ to ``plan.token_budget``), writes ``plan.json`` (every layout with e
 ``--explain LAYOUT`` (or ``plan.explain=LAYOUT``) prints each term of that layout with its inputs.
 ``--budget-usd``, ``--budget-hours`` or ``--budget-flops`` (with ``--law besiroglu2024``, the default,
 ``hoffmann2022`` or ``fit``) add the compute-optimal model and tokens for that budget
-(:mod:`lightning_scale.cli.plan_sizing`).
+(:mod:`lightning_scale.cli.plan_sizing`). ``lightning-scale-plan calibrate DIR...`` fits the cluster's
+efficiency factors to measured runs and stores them (:mod:`lightning_scale.cli.plan_calibrate`); plans
+on a calibrated system use them and print their source.
 When no layout fits, it names the smallest memory per device found, the term that dominates it and
 the changes that would make it fit. The estimates come from :mod:`lightning_scale.core.planner`.
 
-Stands apart from ``lightning-scale-train``'s chain: it imports only ``plan_sizing`` from ``cli``.
+Stands apart from ``lightning-scale-train``'s chain: it imports only ``plan_sizing`` and ``plan_calibrate`` from ``cli``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_scale.cli.plan_sizing import describe, law_named, size_for_budget
 from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, model_shape, plan
+from lightning_scale.core.planner.calibration import calibrated
 
 __all__ = ["explain", "main", "plan_from_config", "table"]
 
@@ -47,7 +50,7 @@ def _setup(cfg: DictConfig) -> tuple[ModelShape, Workload, Cluster]:
     c = cfg.cluster
     devices = c.devices_per_node if c.devices_per_node is not None else cfg.trainer.devices
     nodes = c.nodes if c.nodes is not None else cfg.trainer.num_nodes
-    return model_shape(model), workload, cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices))
+    return model_shape(model), workload, calibrated(cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices)))
 
 
 def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
@@ -198,6 +201,11 @@ def _hydra_argv(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import hydra
 
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["calibrate"]:
+        from lightning_scale.cli.plan_calibrate import main as calibrate
+
+        return calibrate(given[1:])
     sys.argv = [sys.argv[0], *_hydra_argv(sys.argv[1:] if argv is None else argv)]
     status: list[int] = []
 

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_scale._lightning_compat import wandb_run_started
 from lightning_scale.cli.job_config import config_fingerprint, layout_of
+from lightning_scale.strategies.hybrid.planning import prediction_record
 
 __all__ = [
     "CsvHistory",
@@ -53,7 +54,8 @@ STATUSES = ("completed", "skipped", "failed")
 
 SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
                    "train/achieved_tflops_per_device", "train/peak_flops_measured", "memory/peak_allocated_gib",
-                   "memory/peak_reserved_gib", "memory/peak_rss_gib", "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh")
+                   "memory/peak_reserved_gib", "memory/peak_rss_gib", "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh",
+                   "train/step_time/total", "plan/step_time", "plan/memory_per_device_gib", "plan/tokens_per_sec", "plan/mfu")
 """The telemetry callbacks' metrics whose last values go into ``summary.json``."""
 
 
@@ -263,6 +265,12 @@ def job_results(
     vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if summary.get(k) is not None]
     throughput_on = any(type(c).__name__ == "Throughput" for c in trainer.callbacks)
     cost = (cfg.get("callbacks") or {}).get("cost") or {}
+    planned = prediction_record(trainer, summary, max(peaks) if trainer.strategy.root_device.type == "cuda" else None)
+    if planned and planned.get("chosen_by") == "auto":  # the layout the planner chose, as a sweep names layouts
+        c = planned["inputs"]["candidate"]
+        name = f"{'dp' if c['dp_mode'] == 'ddp' else c['dp_mode']}{c['dp']}-tp{c['tp']}-pp{c['pp']}"
+        layout = {"name": name, "dp": c["dp"], "tp": c["tp"], "pp": c["pp"], "mode": c["dp_mode"],
+                  "world_size": trainer.world_size, "chosen_by": "auto"}  # fmt: skip
     return {
         "status": "completed",
         "study": cfg.get("study"),
@@ -301,6 +309,8 @@ def job_results(
         "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step") if throughput_on else "off",
         "log_every_n_steps": trainer.log_every_n_steps,
         "metrics": {k: v for k, v in summary.items() if "/" in k},  # the telemetry callbacks' last values, by metric name
+        # The planner's prediction for this run's layout beside what it measured (and what calibration refits from).
+        "planner": planned,
         "curves": {"train/loss": record.train_curve, "val/loss": record.val_curve},
     }
 

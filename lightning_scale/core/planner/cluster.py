@@ -11,12 +11,14 @@ No Lightning; the peak FLOP/s come from :mod:`lightning_scale.core.telemetry.pea
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
-from lightning_scale.core.telemetry.peaks import PEAKS
+from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
-__all__ = ["CLUSTERS", "DEVICES", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster"]
+__all__ = ["CLUSTERS", "DEVICES", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster", "cpu_cluster",
+           "local_cluster"]
 
 GiB = 2**30
 GB = 1e9
@@ -44,9 +46,17 @@ class Device:
     price_key: str | None
     """The row of :data:`~lightning_scale.core.telemetry.cost.PRICES` (None: no price)."""
     source: str
+    flops: tuple[tuple[str, float], ...] = ()
+    """Measured dense FLOP/s per dtype, ahead of the table (a CPU's: it has no datasheet row)."""
+    slowdown: float = 1.0
+    """Processes' threads per core (CPU processes outnumbering the cores): their framework work runs this
+    many times slower, as their matmuls do (which the measured ``flops`` already show)."""
 
     def peak(self, dtype: str) -> float | None:
-        """Dense peak FLOP/s of a matmul in ``dtype`` (None: not in the table)."""
+        """Dense peak FLOP/s of a matmul in ``dtype`` (None: neither measured nor in the table)."""
+        measured = dict(self.flops).get(dtype)
+        if measured is not None:
+            return measured
         row = PEAKS.get(self.chip)
         return None if row is None else row.flops.get(dtype)
 
@@ -77,6 +87,9 @@ LINKS: dict[str, Link] = {
         Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s, one HCA per GPU)"),
         Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
         Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet per node, shared by its GPUs"),
+        Link("gloo-loopback", 1 * GB, 100e-6, "gloo over TCP on one host: an order of magnitude for a copy through "
+             "the kernel's loopback; the achieved share is what calibration fits"),
+        Link("ethernet-10g", 1.25 * GB, 100e-6, "10 Gb/s Ethernet between CPU hosts"),
     )
 }  # fmt: skip
 
@@ -91,10 +104,16 @@ class Efficiency:
     """The smallest GEMM dimension at which a matmul reaches half of ``compute``'s rate."""
     intra_link: float = 0.7
     inter_link: float = 0.7
+    latency: float = 1.0
+    """Achieved latency of a collective's step as a multiple of the link's nominal one."""
     dp_overlap: float = 0.8
     """Share of the data-parallel communication hidden behind the compute it can overlap."""
     memory: float = 0.7
     """Fraction of the memory bandwidth an elementwise optimizer update reaches."""
+    overhead: float = 0.0
+    """Seconds per block and micro-batch, forward and backward, that are neither FLOPs nor bytes: kernel
+    launches and the framework's Python (tens of microseconds a block on a GPU hidden behind its
+    kernels; on a CPU, where every operator runs in the calling thread, a large share of small models' time)."""
     source: str = "defaults (not calibrated)"
 
     def link(self, cluster: Cluster, link: Link) -> float:
@@ -156,11 +175,88 @@ CLUSTERS: dict[str, Cluster] = {
 """One node of each usual system; :func:`cluster` sets the node count."""
 
 
+_LINKS_OF_CHIP = {"H100 SXM": ("nvlink4", "ib-ndr"), "H200 SXM": ("nvlink4", "ib-ndr"), "A100": ("nvlink3", "ib-hdr")}
+"""The links of the usual systems built on a chip; any other chip: PCIe within a node, Ethernet between."""
+
+
+def local_cluster(
+    device_type: str, *, devices_per_node: int, nodes: int = 1, device_name: str | None = None,
+    device_memory: float | None = None, peak_flops: dict[str, float] | None = None,
+) -> Cluster:
+    """The cluster a run is on, from what its processes see: a CUDA device's name and memory (its chip's
+    row of :data:`DEVICES` nearest that memory, the links of that chip's usual system) or this CPU host
+    (:func:`cpu_cluster`).
+    Raises ``ValueError`` for a device no row describes, naming the override."""
+    if device_type == "cpu":
+        return cpu_cluster(devices_per_node=devices_per_node, nodes=nodes, peak_flops=peak_flops or {})
+    chip = chip_of(device_name or "")
+    rows = [d for d in DEVICES.values() if d.chip == chip]
+    if not rows:
+        raise ValueError(
+            f"The planner has no device row for {device_name!r} ({device_type}); known: {format_choices(DEVICES)}. "
+            "Name the cluster instead (HybridParallelStrategy(layout='auto', cluster='h100-sxm'), or plan with "
+            "lightning-scale-plan cluster=<preset>)."
+        )
+    device = min(rows, key=lambda d: abs(d.memory - (device_memory or d.memory)))  # a chip sold in two sizes
+    intra, inter = _LINKS_OF_CHIP.get(chip or "", ("pcie4", "ethernet-100g"))
+    preset = next((c for c in CLUSTERS.values() if c.device is device), None)
+    efficiency = preset.efficiency if preset is not None else Efficiency()
+    if device_memory:
+        device = replace(device, memory=float(device_memory))
+    return Cluster(device, devices_per_node, nodes, LINKS[intra], LINKS[inter], f"local-{chip}", efficiency)
+
+
+def _host_memory() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        return kib * 1024.0
+    except (OSError, StopIteration, ValueError):
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+CPU_EFFICIENCY = Efficiency(
+    compute=1.0, matmul_half=16.0, intra_link=1.0, inter_link=1.0, dp_overlap=0.0, memory=1.0, overhead=0.0,
+    source="CPU defaults: the measured matmul rate, nominal gloo bandwidth, no overlap (gloo runs in the "
+    "training thread's turn); calibrate to fit this host",
+)
+
+
+def cpu_peaks(processes: int, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
+    """Each of ``processes`` processes' matmul rate on this host: one process's measured rate
+    (:func:`~lightning_scale.core.telemetry.peaks.measured_peak`, at its thread count) times its share of
+    the cores when the processes' threads outnumber them."""
+    import torch
+
+    share = min(1.0, (os.cpu_count() or 1) / (processes * torch.get_num_threads()))
+    return {dtype: measured_peak(dtype) * share for dtype in dtypes}
+
+
+def cpu_cluster(*, devices_per_node: int, nodes: int = 1, peak_flops: dict[str, float] | None = None) -> Cluster:
+    """This host's CPUs as ``devices_per_node`` processes: each holds an equal share of the host's memory;
+    ``peak_flops`` is each process's matmul rate per dtype while all of them run (what
+    ``train/peak_flops_measured`` logs; default :func:`cpu_peaks`); gloo over loopback within the host,
+    Ethernet between hosts. The device is named after the processor, so calibrations are per model."""
+    import torch
+
+    check_positive_int("devices_per_node", devices_per_node, fix="It is the processes of one host.")
+    if peak_flops is None:
+        peak_flops = cpu_peaks(devices_per_node)
+    memory = _host_memory() / devices_per_node
+    slowdown = max(1.0, devices_per_node * torch.get_num_threads() / (os.cpu_count() or 1))
+    device = Device(f"CPU ({processor()})", "cpu", memory, 10 * GB, None, "this host: /proc/meminfo shared by its processes; "
+                    "10 GB/s of memory bandwidth as an order of magnitude", tuple(sorted(peak_flops.items())), slowdown)  # fmt: skip
+    return Cluster(device, devices_per_node, nodes, LINKS["gloo-loopback"], LINKS["ethernet-10g"], "cpu", CPU_EFFICIENCY)
+
+
 def cluster(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-    """A preset with ``nodes`` nodes (and optionally another number of devices per node)."""
+    """A preset with ``nodes`` nodes (and optionally another number of devices per node); ``"cpu"``: this
+    host (:func:`cpu_cluster`, its peak measured now)."""
+    if name == "cpu":
+        return cpu_cluster(devices_per_node=devices_per_node or 1, nodes=nodes)
     if name not in CLUSTERS:
         raise ValueError(
-            f"Unknown cluster {name!r}. Presets: {format_choices(CLUSTERS)}; or build a Cluster from a Device "
+            f"Unknown cluster {name!r}. Presets: {format_choices(CLUSTERS)}, or 'cpu' (this host); or build a Cluster from a Device "
             f"(lightning_scale.core.planner.cluster.DEVICES) and two Links."
         )
     check_positive_int("nodes", nodes, fix="It is the number of nodes.")

@@ -45,6 +45,13 @@ class Estimate:
     def name(self) -> str:
         return self.candidate.name
 
+    def metrics(self) -> dict[str, float]:
+        """The predicted figures a run logs as ``plan/*``, beside what its telemetry measures."""
+        return {
+            "plan/step_time": self.time.step_time, "plan/memory_per_device_gib": self.memory.total / 2**30,
+            "plan/tokens_per_sec": self.tokens_per_sec, "plan/mfu": self.mfu,
+        }  # fmt: skip
+
     def row(self) -> dict[str, object]:
         """The plan table's columns, as plain values (``plan.json``)."""
         return {
@@ -70,9 +77,12 @@ def candidates(
     schedules: Sequence[tuple[str, int]] = PIPELINE_SCHEDULES,
     sequence_parallel: bool = True,
     max_micro_batch: int = 16,
+    gradient_accumulation: bool = True,
 ) -> Iterator[Candidate]:
     """Every layout the model, cluster and batch admit (see the module doc). ``sequence_parallel``:
-    whether tensor-parallel layouts shard the norms' activations too (the package's default)."""
+    whether tensor-parallel layouts shard the norms' activations too (the package's default);
+    ``gradient_accumulation=False``: without a pipeline, each replica's whole batch is one micro-batch
+    (what a strategy runs when the Trainer accumulates nothing)."""
     world = cluster.world_size
     for t in _tp_sizes(shape, cluster):
         for p in divisors(world // t) if world % t == 0 else []:
@@ -85,7 +95,8 @@ def candidates(
             modes = [m for m in dp_modes if d > 1 or m == "ddp"]
             group = t * p
             shard = cluster.devices_per_node // group if cluster.devices_per_node % group == 0 else 0
-            for mb in (b for b in divisors(local) if b <= max_micro_batch):
+            sizes = [local] if p == 1 and not gradient_accumulation else [b for b in divisors(local) if b <= max_micro_batch]
+            for mb in sizes:
                 m = local // mb
                 for schedule, v in schedules if p > 1 else (("1f1b", 1),):
                     if p > 1 and (m < p or (v > 1 and (m % p or shape.n_layers % (p * v)))):

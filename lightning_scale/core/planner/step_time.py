@@ -9,24 +9,31 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
 - ``recompute``: the forwards activation checkpointing runs again in the backward (a third of the
   checkpointed blocks' FLOPs);
 - ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
-  plus reduce-scatter under sequence parallelism: the same bytes) of the block's activations, two more
-  per recomputed block, over the link the ``tp`` group spans;
+  plus reduce-scatter under sequence parallelism: the same bytes in twice the messages) of the block's
+  activations, two more per recomputed block, and the vocabulary-parallel embedding's and loss's few,
+  over the link the ``tp`` group spans;
 - ``pipeline_transfers``: per micro-batch one activation forward and one gradient backward between
   neighbouring stages;
 - ``bubble``: the schedule's idle share (:func:`~lightning_scale.core.pipeline.partition.bubble_fraction`,
   the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time;
-- ``data_parallel``: the gradient all-reduce (``ddp``), or the parameter all-gathers of each
-  micro-batch's forward and backward and the gradients' reduce-scatter (``fsdp``; ``fsdp_grad_op``
-  gathers once), less the share hidden behind the compute (:attr:`Efficiency.dp_overlap`);
+- ``data_parallel``: the gradient all-reduce (``ddp``: one per 25 MiB bucket), or the parameter
+  all-gathers of each micro-batch's forward and backward and the gradients' reduce-scatter, one of
+  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once), less the share hidden behind the
+  compute (:attr:`Efficiency.dp_overlap`);
+- ``overhead``: per block and micro-batch, what is neither FLOPs nor bytes (kernel launches, the
+  framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), times the device's
+  ``slowdown`` (CPU processes sharing cores);
 - ``optimizer``: the update's memory traffic (parameters, gradients and states read, parameters
   and states written) at the device's memory bandwidth.
 
 A ring collective over ``n`` devices moves ``2 (n - 1) / n`` times the buffer per device for an
-all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each.
+all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each
+(the link's latency times :attr:`Efficiency.latency`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
@@ -36,6 +43,9 @@ from lightning_scale.core.planner.memory import rank_blocks
 from lightning_scale.core.planner.shape import ModelShape
 
 __all__ = ["Efficiency", "TimeEstimate", "estimate_time"]  # Efficiency: defined with the clusters
+
+_DDP_BUCKET = 25 * 2**20
+"""``DistributedDataParallel``'s default bucket: one all-reduce per 25 MiB of gradients."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,11 @@ class TimeEstimate:
         return sum(self.terms.values())
 
 
-def _ring(n: int, nbytes: float, factor: float, bandwidth: float, latency: float) -> float:
+def _ring(n: int, nbytes: float, factor: float, bandwidth: float, latency: float, messages: int = 1) -> float:
+    """``messages`` collectives over ``n`` devices moving ``nbytes`` in all (``factor`` 2: all-reduces)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return factor * (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+    return factor * (n - 1) / n * nbytes / bandwidth + messages * (n - 1) * latency
 
 
 def estimate_time(
@@ -87,15 +98,22 @@ def estimate_time(
 
     tp_link = cluster.link(t)
     tp_bytes = tokens_mb * shape.d_model * a
-    tp_time = (4 * blocks + 2 * recomputed) * _ring(t, tp_bytes, 2, eff.link(cluster, tp_link), tp_link.latency)
+    # Per block, forward and backward: four all-reduces, or under sequence parallelism eight all-gathers
+    # and reduce-scatters of the same bytes; a recomputed forward half as many again; the vocabulary-
+    # parallel embedding and loss a few small ones per micro-batch.
+    sp = 2 if candidate.sequence_parallel else 1
+    tp_collectives = sp * (4 * blocks + 2 * recomputed) + 4
+    tp_time = _ring(t, (4 * blocks + 2 * recomputed + 1) * tp_bytes, 2, eff.link(cluster, tp_link),
+                    tp_link.latency * eff.latency, tp_collectives)  # fmt: skip
 
     p2p = 0.0
     if p > 1:
         pp_link = cluster.link(t * p)
         width = shape.d_model / (t if candidate.sequence_parallel else 1)
-        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency
+        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency * eff.latency
 
-    per_mb = compute + recompute + tp_time + p2p
+    overhead = blocks * eff.overhead * cluster.device.slowdown
+    per_mb = compute + recompute + tp_time + p2p + overhead
     bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
     pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
 
@@ -103,17 +121,18 @@ def estimate_time(
     dp_time = 0.0
     if d > 1:
         dp_link = cluster.link(candidate.world_size)
-        bw = eff.link(cluster, dp_link)
+        bw, latency = eff.link(cluster, dp_link), dp_link.latency * eff.latency
         grads = params_rank * gbytes
         if candidate.dp_mode == "ddp":
-            dp_time = _ring(d, grads, 2, bw, dp_link.latency)
+            dp_time = _ring(d, grads, 2, bw, latency, max(1, math.ceil(grads / _DDP_BUCKET)))
             window = per_mb * 2 / 3  # the last micro-batch's backward, where the gradients are reduced
         else:
-            shard = candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d
+            # One all-gather and one reduce-scatter per sharded unit (each block, and the root's rest).
+            shard, units = (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d), blocks + 1
             gathers = 1 if candidate.dp_mode == "fsdp_grad_op" else 2 * m
-            dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, dp_link.latency) + _ring(shard, grads, 1, bw, dp_link.latency)
+            dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, latency, units) + _ring(shard, grads, 1, bw, latency, units)
             if candidate.dp_mode == "hsdp" and d > shard:
-                dp_time += _ring(d // shard, grads / shard, 2, bw, dp_link.latency)
+                dp_time += _ring(d // shard, grads / shard, 2, bw, latency, units)
             window = m * per_mb
         dp_time = max(dp_time - eff.dp_overlap * window, dp_time * (1 - eff.dp_overlap))
 
@@ -127,6 +146,7 @@ def estimate_time(
         "recompute": m * recompute,
         "tensor_parallel": m * tp_time,
         "pipeline_transfers": m * p2p,
+        "overhead": m * overhead,
         "bubble": pipeline - m * per_mb,
         "data_parallel": dp_time,
         "optimizer": optimizer,

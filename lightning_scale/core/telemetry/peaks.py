@@ -34,7 +34,8 @@ import torch
 
 from lightning_scale.core.checks import check_positive_int
 
-__all__ = ["PEAKS", "PEAK_FILE_ENV", "DTYPES", "Peak", "chip_of", "device_peak", "machine_key", "measured_peak", "recorded_peak"]
+__all__ = ["PEAKS", "PEAK_FILE_ENV", "DTYPES", "Peak", "chip_of", "device_peak", "machine_key", "measured_peak", "processor",
+           "recorded_peak"]
 
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 
@@ -195,16 +196,20 @@ def measured_peak(
     return _MEASURED[key]
 
 
-def machine_key(dtype: str, processes_per_machine: int) -> str:
-    """What a measured CPU peak depends on: host, processor model, threads per process, processes
-    sharing the machine, and dtype."""
+def processor() -> str:
+    """This host's processor model (``/proc/cpuinfo``'s model name, else what ``platform`` says)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
-        pass
-    return f"{socket.gethostname()}|{model}|threads={torch.get_num_threads()}|processes={processes_per_machine}|{dtype}"
+        return model
+
+
+def machine_key(dtype: str, processes_per_machine: int) -> str:
+    """What a measured CPU peak depends on: host, processor model, threads per process, processes
+    sharing the machine, and dtype."""
+    return f"{socket.gethostname()}|{processor()}|threads={torch.get_num_threads()}|processes={processes_per_machine}|{dtype}"
 
 
 def _read_peak(path: Path, key: str) -> float | None:

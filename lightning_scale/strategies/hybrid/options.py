@@ -16,7 +16,7 @@ from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARAL
 from lightning_scale.core.parallel.layout import Layout, check_size
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 
-__all__ = ["LOSS_STAGES", "PARTITIONS", "PRESETS", "ParallelOptions", "loss_names"]
+__all__ = ["LOSS_STAGES", "PARTITIONS", "PLANNED", "PRESETS", "ParallelOptions", "loss_names"]
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid": ("data x tensor x pipeline parallelism", {}),
@@ -34,6 +34,8 @@ T = TypeVar("T")
 _NON_STRUCTURAL = frozenset(
     {
         # Sizes: compared once resolved ("auto" filled in), as the layout and the hsdp split.
+        "layout",
+        "cluster",
         "data_parallel",
         "tensor_parallel",
         "pipeline_parallel",
@@ -54,6 +56,9 @@ _NON_STRUCTURAL = frozenset(
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
 _SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+PLANNED = (*_SIZES, "data_parallel_mode", "schedule", "microbatches", "virtual_stages", "activation_checkpointing",
+           "activation_checkpointing_every")  # fmt: skip
+"""What ``layout="auto"`` chooses (:mod:`.planning`); setting one of them too is refused (it would be overruled)."""
 """The options the strategy also takes positionally, in this order."""
 
 
@@ -101,6 +106,13 @@ class ParallelOptions:
     """Pipeline stages (``"auto"``: what data and tensor parallelism leave). Built with
     ``torch.distributed.pipelining``; the model declares its blocks through a ``pipeline_spec`` hook or
     the registry (the reference GPT is registered)."""
+    layout: str = "manual"
+    """``"manual"``: the sizes and options given here; ``"auto"``: the planner chooses the sizes, data-parallel
+    mode, pipeline schedule, micro-batches and activation checkpointing for this run's model, devices and
+    batch (:mod:`.planning`; then leave those options at their defaults)."""
+    cluster: str | None = None
+    """``layout="auto"``: plan for this cluster preset (``lightning_scale.core.planner.CLUSTERS``, or ``"cpu"``)
+    instead of the devices the processes see."""
     data_parallel_mode: str = "ddp"
     """``"ddp"`` (replicas; plain DDP when nothing else cuts the model, else FSDP2 ``replicate``),
     ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded, ZeRO-3-like),
@@ -211,6 +223,18 @@ class ParallelOptions:
         )
 
     def __post_init__(self) -> None:
+        if self.layout not in ("manual", "auto"):
+            raise ValueError(f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner chooses).")
+        if self.cluster is not None and self.layout != "auto":
+            raise ValueError(f"cluster={self.cluster!r} is what layout='auto' plans for; set layout='auto' or remove it.")
+        if self.layout == "auto":
+            defaults = {f.name: f.default for f in fields(self)}
+            set_too = [f"{name}={getattr(self, name)!r}" for name in PLANNED if getattr(self, name) != defaults[name]]
+            if set_too:
+                raise ValueError(
+                    f"layout='auto' chooses {', '.join(PLANNED)}; {', '.join(set_too)} would be overruled. Remove "
+                    "them, or set layout='manual' to keep your layout."
+                )
         for name in ("sequence_parallel", "loss_parallel", "compile"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if isinstance(self.loss_name, Mapping):

@@ -42,6 +42,7 @@ from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
 from lightning_scale.strategies.hybrid.parallelize import count_model_facts, parallelize
 from lightning_scale.strategies.hybrid.pipeline_hooks import check_pipeline_module, timing_batch
 from lightning_scale.strategies.hybrid.pipeline_steps import PipelineSteps
+from lightning_scale.strategies.hybrid.planning import AutoLayout
 from lightning_scale.strategies.hybrid.state import ParallelState
 
 __all__ = ["HybridParallelStrategy"]
@@ -100,6 +101,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._steps = PipelineSteps(self.options.loss_names)
         self._checkpoints = ShardedCheckpoints()
         self._deferred = DeferredBuilder()
+        self.auto_layout = AutoLayout()  # layout="auto": the planner's choice and predicted figures
 
     @property
     @override
@@ -108,7 +110,7 @@ class HybridParallelStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
-    def num_processes(self) -> int:
+    def num_processes(self) -> int:  # the processes of one node
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
@@ -139,8 +141,7 @@ class HybridParallelStrategy(ParallelStrategy):
 
     @property
     @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Weights load into the parallelised model, optimizer state into the real optimizers.
+    def restore_checkpoint_after_setup(self) -> bool:  # weights into the parallelised model, states into the optimizers
         return True
 
     @property
@@ -188,13 +189,14 @@ class HybridParallelStrategy(ParallelStrategy):
             self._process_group_backend = collectives.default_backend(self.root_device)
         assert self.cluster_environment is not None
         collectives.init_world(self.cluster_environment, self._process_group_backend, self.world_size, self._timeout)
-        module = self.lightning_module
+        module, trainer = self.lightning_module, lc.attached_trainer(self.lightning_module)
         assert module is not None
+        if self.options.layout == "auto":  # the planner's choice, the same on every rank
+            self.options = self.auto_layout.apply(self, trainer, module)
         sizes = {"world_size": self.world_size, "devices_per_node": self.num_processes, "num_nodes": self.num_nodes}
         self._mesh.setup(module, self.options, **sizes, device_type=self.root_device.type)
-        # Users may read `self.device_mesh` in `configure_model`, as with ModelParallelStrategy.
-        lc.set_device_mesh(module, self.device_mesh)
-        if (trainer := lc.attached_trainer(module)) is not None:
+        lc.set_device_mesh(module, self.device_mesh)  # read in `configure_model`, as with ModelParallelStrategy
+        if trainer is not None:
             self._checkpoints.install_path_resolver(trainer)
 
     def set_world_ranks(self) -> None:
@@ -387,9 +389,8 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:  # not the base class's: it would move the sharded model to the CPU
         assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        for part in (self.cluster_environment, self.precision_plugin, self.accelerator):
+            part.teardown()
         self.checkpoint_io.teardown()  # joins an AsyncCheckpointIO and raises what its saves raised
 
     @classmethod

@@ -1,0 +1,142 @@
+"""The planner's step time against runs measured on this machine, after calibrating from three of them.
+
+    python benchmarks/planner_time.py [--steps 30] [--workdir DIR]
+
+Runs ``lightning-scale-train`` (the tiny GPT, Shakespeare, gloo on CPU, one thread per process) at
+12 layouts on 2 and 4 processes (data parallel as ddp, fsdp and fsdp_grad_op, tensor, pipeline with
+1F1B, GPipe and interleaved 1F1B at several micro-batch counts, activation checkpointing, and their
+products), each run recording the planner's inputs beside its measured step time in ``results.json``.
+Then ``lightning-scale-plan calibrate`` fits this machine's factors to :data:`CALIBRATE_FROM` (three
+runs), and the calibrated planner predicts the other nine: ``time_error_mean`` (mean absolute relative
+error of the step time), ``spearman`` (rank correlation of predicted and measured step times). Last,
+``strategy=auto`` runs on 4 processes with that calibration: ``auto_vs_best`` is its tokens/s over the
+best 4-process layout's (1.0: it found the best; the acceptance is >= 0.9), ``auto_layout`` what it chose.
+
+Prints ``BENCH planner_time {json}`` last (``benchmarks/planner.py`` folds it into ``BENCH planner``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning_scale.cli.plan_calibrate import calibrate, observations_in
+from lightning_scale.core.planner.calibration import load_calibration
+from lightning_scale.core.planner.step_time import estimate_time
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CONFIGS: dict[str, tuple[int, list[str]]] = {
+    "dp2": (2, []),
+    "fsdp2": (2, ["strategy.data_parallel_mode=fsdp"]),
+    "tp2": (2, ["strategy.tensor_parallel=2"]),
+    "pp2-1f1b-m4": (2, ["strategy.pipeline_parallel=2", "strategy.microbatches=4"]),
+    "pp2-gpipe-m8": (2, ["strategy.pipeline_parallel=2", "strategy.schedule=gpipe", "strategy.microbatches=8"]),
+    "dp2-ac": (2, ["strategy.activation_checkpointing=full"]),
+    "dp4": (4, []),
+    "fsdp_grad_op4": (4, ["strategy.data_parallel_mode=fsdp_grad_op"]),
+    "dp2-tp2": (4, ["strategy.tensor_parallel=2"]),
+    "tp2-pp2": (4, ["strategy.tensor_parallel=2", "strategy.pipeline_parallel=2", "strategy.microbatches=4"]),
+    "dp2-pp2": (4, ["strategy.pipeline_parallel=2", "strategy.microbatches=4"]),
+    "dp2-pp2-interleaved": (4, ["strategy.pipeline_parallel=2", "strategy.schedule=interleaved_1f1b",
+                                "strategy.microbatches=4"]),  # fmt: skip
+}
+"""Name -> (processes, overrides of ``strategy=hybrid``)."""
+
+CALIBRATE_FROM = ("dp2", "tp2", "dp2-pp2")
+"""One run per kind of traffic (data-parallel all-reduce, tensor-parallel collectives, pipeline sends),
+at both process counts: what the three fitted factors (compute, overhead, intra_link) need."""
+
+
+def _train(name: str, devices: int, overrides: list[str], workdir: Path, steps: int, env: dict[str, str]) -> Path:
+    run_dir = workdir / name
+    if (run_dir / "results.json").exists():
+        return run_dir
+    command = [
+        sys.executable, "-m", "lightning_scale.cli.train", "model=tiny", f"trainer.devices={devices}",
+        f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps // 3}", "trainer.limit_val_batches=0",
+        "validate_before_fit=false", "validate_after_fit=false", "callbacks=[throughput,step_time]", "logger=none",
+        f"hydra.run.dir={run_dir}", *overrides,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return run_dir
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str]]] = CONFIGS) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_SCALE_PEAK_FILE": str(workdir / "peaks.json"),
+           "LIGHTNING_SCALE_CALIBRATION": str(workdir / "calibration.json")}  # fmt: skip
+    dirs = {name: _train(name, devices, overrides, workdir, steps, env) for name, (devices, overrides) in configs.items()}
+    store = workdir / "calibration.json"
+    for line in calibrate([dirs[n] for n in CALIBRATE_FROM], store=store):
+        print("calibrate:", line)
+    rows = []
+    for name, run_dir in dirs.items():
+        groups, _ = observations_in([run_dir])
+        ((system, (observation,)),) = groups.values()
+        fitted = load_calibration(system, store)
+        predicted = estimate_time(observation.shape, observation.workload, observation.candidate, system, fitted,
+                                  peak=observation.peak).step_time  # fmt: skip
+        rows.append({"config": name, "processes": configs[name][0], "layout": observation.candidate.name,
+                     "measured_s": observation.step_time, "predicted_s": predicted,
+                     "error": predicted / observation.step_time - 1, "calibration_run": name in CALIBRATE_FROM})  # fmt: skip
+        print(f"time {name:22s} {observation.candidate.name:36s} measured {observation.step_time:.4f} s, predicted "
+              f"{predicted:.4f} s, error {rows[-1]['error']:+.3f}{' (calibrated on)' if name in CALIBRATE_FROM else ''}")  # fmt: skip
+    held = [r for r in rows if not r["calibration_run"]]
+    auto_dir = _train("auto4", 4, ["strategy=auto"], workdir, steps, env)
+    auto = json.loads((auto_dir / "results.json").read_text())
+    four = [json.loads((dirs[n] / "results.json").read_text())["tokens_per_sec"] for n, (d, _) in configs.items() if d == 4]
+    report = {
+        "time_error_mean": statistics.fmean(abs(r["error"]) for r in held),
+        "time_error_max": max(abs(r["error"]) for r in held),
+        "time_cases": len(held),
+        "spearman": _spearman([r["predicted_s"] for r in held], [r["measured_s"] for r in held]),
+        "auto_layout": auto["planner"]["layout"],
+        "auto_vs_best": auto["tokens_per_sec"] / max(four),
+        "auto_predicted_step_error": auto["planner"]["error"].get("step_time_s"),
+        "calibrated_on": list(CALIBRATE_FROM),
+        "rows": rows,
+    }
+    print(f"auto: {report['auto_layout']} at {auto['tokens_per_sec']:.0f} tokens/s; the best measured 4-process layout "
+          f"{max(four):.0f} tokens/s (ratio {report['auto_vs_best']:.3f})")  # fmt: skip
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "planner_time.json")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="planner-time-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = time_study(workdir, args.steps)
+    from _common import emit
+
+    emit("planner_time", report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``HybridParallelStrategy``'s bridge to the planner (:mod:`lightning_scale.core.planner`).
+
+- :func:`planner_inputs`: this run as the planner sees it: the model's shape (read off the module's
+  ``config``: a ``GPTConfig``, a Hugging Face config, a ``ModelShape``), the workload (the datamodule's
+  ``global_batch_size`` and ``seq_len``, the Trainer's precision, AdamW) and the cluster (the devices the
+  processes see, with the calibration stored for that system, if any);
+- :func:`candidate_of`: the strategy's resolved options as the planner's :class:`Candidate`, so any run
+  records the prediction for its own layout (``results.json``'s ``planner``) and calibration can learn
+  from it;
+- :class:`AutoLayout`: ``layout="auto"``: every layout the strategy can run is estimated on rank 0, the
+  fastest that fits is broadcast and becomes the options every rank builds (the same on all of them),
+  and its predicted figures are printed and logged as ``plan/*`` next to what telemetry measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_scale.core.planner import Candidate, Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
+from lightning_scale.core.planner.calibration import calibrated, planner_record
+from lightning_scale.core.planner.cluster import local_cluster
+from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, machine_key, measured_peak, recorded_peak
+from lightning_scale.core.planner.layout import PRECISION_BYTES
+from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.strategies.hybrid.options import ParallelOptions
+
+__all__ = ["AutoLayout", "candidate_of", "planner_inputs", "prediction_record", "run_cluster"]
+
+_AUTO_HINT = "or choose the layout yourself (layout='manual' with data_parallel/tensor_parallel/pipeline_parallel)"
+
+
+def model_shape_of(module: LightningModule) -> ModelShape:
+    """The decoder shape of ``module``'s ``config`` (or its ``model``'s: Hugging Face models carry one);
+    ``ValueError`` naming what to add when neither reads as one."""
+    tried = []
+    for owner in (module, getattr(module, "model", None)):
+        config = getattr(owner, "config", None)
+        if config is None:
+            continue
+        try:
+            return model_shape(config, getattr(config, "name", None) or type(module).__name__)
+        except ValueError as err:
+            tried.append(str(err))
+    raise ValueError(
+        f"The planner cannot read {type(module).__name__}'s shape: give it a `config` attribute (a GPTConfig, a Hugging "
+        f"Face config, or a lightning_scale.core.planner.ModelShape) or a `model` with one, {_AUTO_HINT}."
+        + (f" ({'; '.join(tried)})" if tried else "")
+    )
+
+
+def workload_of(trainer: Trainer) -> Workload:
+    data = trainer.datamodule
+    batch, seq = getattr(data, "global_batch_size", None), getattr(data, "seq_len", None)
+    if not isinstance(batch, int) or not isinstance(seq, int):
+        raise ValueError(
+            f"The planner needs the global batch and sequence length: the datamodule ({type(data).__name__}) has no "
+            f"integer `global_batch_size` and `seq_len` attributes. Add them (lightning_scale.data.TextDataModule "
+            f"has both), {_AUTO_HINT}."
+        )
+    precision = str(trainer.precision)
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"The planner knows precisions {sorted(PRECISION_BYTES)}, not {precision!r}; {_AUTO_HINT}.")
+    return Workload(batch, seq, precision, "adamw")
+
+
+def cpu_peak(trainer: Trainer, dtype: str) -> float:
+    """A CPU process's matmul rate as ``Throughput`` measures it (all processes at once, recorded per
+    machine in the study's peak file when there is one): the planner's and MFU's denominators agree."""
+    path = os.environ.get(PEAK_FILE_ENV)
+    peak, _ = recorded_peak(path, machine_key(dtype, trainer.num_devices), lambda: measured_peak(dtype))
+    return peak
+
+
+def run_cluster(trainer: Trainer, workload: Workload, preset: str | None, *, peak: float | None = None) -> Cluster:
+    """The cluster this run is on (``preset``: a named one instead), with its stored calibration; on a
+    CPU, ``peak`` (default :func:`cpu_peak`) is each process's rate in the workload's compute dtype."""
+    strategy = trainer.strategy
+    per_node, nodes = trainer.num_devices, trainer.num_nodes
+    if preset is not None:
+        found = cluster(preset, nodes=nodes, devices_per_node=per_node)
+    elif strategy.root_device.type == "cuda":
+        props = torch.cuda.get_device_properties(strategy.root_device)
+        found = local_cluster("cuda", devices_per_node=per_node, nodes=nodes, device_name=props.name,
+                              device_memory=float(props.total_memory))  # fmt: skip
+    else:
+        dtype = workload.compute_dtype
+        found = local_cluster("cpu", devices_per_node=per_node, nodes=nodes,
+                              peak_flops={dtype: peak or cpu_peak(trainer, dtype)})  # fmt: skip
+    return calibrated(found)
+
+
+def planner_inputs(trainer: Trainer, module: LightningModule) -> tuple[ModelShape, Workload]:
+    return model_shape_of(module), workload_of(trainer)
+
+
+def candidate_of(options: ParallelOptions, layout: Layout, hsdp: tuple[int, int] | None, workload: Workload) -> Candidate:
+    """The resolved options at ``layout`` as the planner's candidate: micro-batches of the pipeline (or
+    one per step without one: Lightning's gradient accumulation is the Trainer's, not the layout's)."""
+    local = workload.global_batch // layout.dp
+    m = (options.microbatches or 2 * layout.pp) if layout.pp > 1 else 1
+    return Candidate(
+        dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_mode=options.data_parallel_mode, schedule=options.schedule,
+        virtual_stages=options.virtual_stages, micro_batch=max(1, local // m), checkpointing=options.activation_checkpointing,
+        checkpoint_every=options.activation_checkpointing_every, sequence_parallel=options.sequence_parallel and layout.tp > 1,
+        hsdp_shard=hsdp[1] if hsdp is not None else 1,
+    )  # fmt: skip
+
+
+def options_for(candidate: Candidate, workload: Workload) -> dict[str, Any]:
+    """The strategy options that run ``candidate``."""
+    m = candidate.microbatches(workload)
+    return {
+        "data_parallel": candidate.dp, "tensor_parallel": candidate.tp, "pipeline_parallel": candidate.pp,
+        "data_parallel_mode": candidate.dp_mode, "schedule": candidate.schedule if candidate.pp > 1 else "1f1b",
+        "microbatches": m if candidate.pp > 1 else None, "virtual_stages": max(2, candidate.virtual_stages),
+        "activation_checkpointing": candidate.checkpointing, "activation_checkpointing_every": candidate.checkpoint_every,
+    }  # fmt: skip
+
+
+class AutoLayout:
+    """``layout="auto"``: the planner's choice, made once per strategy (later Trainer calls keep it)."""
+
+    def __init__(self) -> None:
+        self.chosen: Estimate | None = None
+        self.cluster: Cluster | None = None
+        self._options: dict[str, Any] | None = None
+
+    def apply(self, strategy: Any, trainer: Trainer | None, module: LightningModule) -> ParallelOptions:
+        """``strategy.options`` with the planner's choice filled in (``layout="manual"`` from then on)."""
+        if trainer is None:
+            raise RuntimeError("layout='auto' plans from the Trainer's datamodule and precision; this module has no Trainer.")
+        chosen = self.choose(strategy, trainer, module, strategy.options.cluster)
+        return dataclasses.replace(strategy.options, layout="manual", cluster=None, **chosen)
+
+    def choose(self, strategy: Any, trainer: Trainer, module: LightningModule, preset: str | None) -> dict[str, Any]:
+        """The options to run (rank 0 plans; every rank gets its choice)."""
+        if self._options is not None:
+            return self._options
+        shape, workload = planner_inputs(trainer, module)
+        if preset is None and strategy.root_device.type == "cpu":
+            cpu_peak(trainer, workload.compute_dtype)  # every rank at once, as they will train
+        doc: dict[str, Any] = {}
+        if strategy.global_rank == 0:
+            system = run_cluster(trainer, workload, preset)
+            ranked = plan(shape, workload, system, dp_modes=_dp_modes(strategy.num_nodes), gradient_accumulation=False,
+                          max_micro_batch=workload.global_batch)  # fmt: skip
+            best = ranked[0]  # the fastest that fits, else the smallest miss is refused below
+            doc = {"candidate": dataclasses.asdict(best.candidate), "fits": best.fits}
+            self.chosen, self.cluster = best, system
+            _announce(best, ranked, system, shape)
+        doc = strategy.broadcast(doc)
+        candidate = Candidate(**doc["candidate"])
+        if not doc["fits"]:
+            raise ValueError(
+                f"layout='auto': no layout of this model fits the devices' memory; the smallest needs more than there is "
+                f"(run lightning-scale-plan for the terms and fixes), {_AUTO_HINT}."
+            )
+        if self.chosen is None:  # the other ranks: the same choice, estimated here for the record
+            self.cluster = run_cluster(trainer, workload, preset)
+            self.chosen = estimate(shape, workload, candidate, self.cluster)
+        self._options = options_for(candidate, workload)
+        return self._options
+
+
+def _dp_modes(num_nodes: int) -> tuple[str, ...]:
+    return ("ddp", "fsdp", "fsdp_grad_op", "hsdp") if num_nodes > 1 else ("ddp", "fsdp", "fsdp_grad_op")
+
+
+def _announce(best: Estimate, ranked: list[Estimate], system: Cluster, shape: ModelShape) -> None:
+    lines = [f"layout='auto': {best.name} for {shape.name} on {system.world_size} x {system.device.name} "
+             f"(efficiency: {system.efficiency.source}); predicted step {best.time.step_time:.4f} s, "
+             f"{best.tokens_per_sec:,.0f} tokens/s, {best.memory.total / 2**30:.3f} GiB per device. The best of "
+             f"{len(ranked)} layouts:"]  # fmt: skip
+    for e in ranked[:5]:
+        lines.append(f"  {e.name:48s} {'fits' if e.fits else 'NO  '} {e.time.step_time:9.4f} s {e.memory.total / 2**30:8.3f} GiB")
+    rank_zero_info("\n".join(lines))
+
+
+def prediction_record(trainer: Trainer, summary: dict[str, Any], peak_memory: int | None) -> dict[str, Any] | None:
+    """``results.json``'s ``planner``: the planner's prediction for the layout this run ran, beside what
+    it measured, and the inputs calibration refits from (:func:`~lightning_scale.core.planner.calibration.planner_record`).
+    ``None`` for another strategy; ``{"error": ...}`` when the planner cannot read this run (its reason).
+    ``peak_memory``: the run's measured peak tensor memory per device (CUDA's allocator; None on a CPU,
+    whose resident set is not tensor memory)."""
+    strategy, module = trainer.strategy, trainer.lightning_module
+    auto = getattr(strategy, "auto_layout", None)
+    if auto is None:
+        return None
+    try:
+        shape, workload = planner_inputs(trainer, module)
+        peak = summary.get("train/peak_flops_measured")
+        system = run_cluster(trainer, workload, None, peak=float(peak) if peak else None)
+        mesh = strategy.device_mesh
+        hsdp = (1, mesh["dp_shard"].size()) if "dp_shard" in (mesh.mesh_dim_names or ()) else None
+        chosen = auto.chosen
+        candidate = chosen.candidate if chosen is not None else candidate_of(strategy.options, strategy.layout, hsdp, workload)
+        predicted = estimate(shape, workload, candidate, system)
+    except ValueError as err:  # the run is done and recorded either way: say why there is no prediction
+        return {"error": str(err)}
+    rate = summary.get("train/tokens_per_sec")
+    measured = {
+        "step_time_s": workload.tokens / rate if rate else None, "tokens_per_sec": rate,
+        "memory_per_device_bytes": peak_memory,
+    }  # fmt: skip
+    guess = {
+        "step_time_s": predicted.time.step_time, "tokens_per_sec": predicted.tokens_per_sec,
+        "memory_per_device_bytes": predicted.memory.total, "mfu": predicted.mfu,
+        "time_terms": predicted.time.terms, "memory_terms": predicted.memory.terms,
+    }  # fmt: skip
+    errors = {k: guess[k] / v - 1 for k, v in measured.items() if v}
+    return {
+        "layout": candidate.name, "chosen_by": "auto" if auto.chosen is not None else "manual",
+        "efficiency": system.efficiency.source, "predicted": guess, "measured": measured, "error": errors,
+        "inputs": planner_record(shape, workload, candidate, system, system.device.peak(workload.compute_dtype)),
+    }  # fmt: skip
