@@ -13,7 +13,10 @@ steps after the warm-up:
 - ``async_save_blocking_s`` against ``sync_save_s``: what an asynchronous sharded checkpoint of the
   whole training state (weights and AdamW moments, in GPU memory) blocks training for, and a
   synchronous save of the same state (the bound an async save should beat by far);
-- ``joules_per_step``: NVML's energy counter over the timed steps (``None`` where NVML cannot read it).
+- ``joules_per_step``: NVML's energy counter over the timed steps (``None`` where NVML cannot read it);
+- ``planner``: the planner's prediction for the same run (``results.json``'s record,
+  :func:`lightning_scale.strategies.hybrid.planning.prediction_record`) against ``torch.cuda.max_memory_allocated``
+  (``memory_error``) and the measured step time (``step_time_error``).
 
 On a machine without a CUDA GPU it says so, prints ``BENCH gpu_check {"skipped": ...}`` and exits 0.
 Prints ``BENCH gpu_check {json}`` last and writes benchmarks/results/gpu_check.json.
@@ -39,6 +42,7 @@ from lightning_scale.data import TextDataModule
 from lightning_scale.models import PRESETS, GPTLightningModule
 from lightning_scale.plugins import MixedPrecision, ShardedCheckpointIO
 from lightning_scale.strategies import HybridParallelStrategy
+from lightning_scale.strategies.hybrid.planning import prediction_record
 
 _BATCH = {"350m": (16, 1024), "1.3b": (8, 2048)}  # (sequences, tokens each) per step on one GPU
 
@@ -107,11 +111,16 @@ def _run(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         limit_val_batches=0, log_every_n_steps=log_every, plugins=[MixedPrecision("bf16-mixed")],
         callbacks=[Throughput(window=args.steps - args.warmup), StepTimeBreakdown(), MemoryMonitor(), record],
     )  # fmt: skip
+    if args.accelerator == "gpu":
+        torch.cuda.reset_peak_memory_stats()
     try:
         trainer.fit(GPTLightningModule(PRESETS[preset]), datamodule=TextDataModule(seq_len=seq, global_batch_size=batch))
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     m = record.metrics
+    # The planner's figures for this very run, against the allocator's peak and the measured throughput.
+    peak = torch.cuda.max_memory_allocated() if args.accelerator == "gpu" else None
+    planned = prediction_record(trainer, m, peak) or {}
     joules = None
     if len(record.energy) == 2:
         (s0, j0), (s1, j1) = record.energy
@@ -132,6 +141,14 @@ def _run(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             record.saves["async_blocking_s"] / record.saves["sync_blocking_s"] if record.saves.get("sync_blocking_s") else None
         ),
         "joules_per_step": joules,
+        "planner": {
+            "layout": planned.get("layout"), "memory_gib": (planned.get("predicted") or {}).get("memory_per_device_bytes", 0) / 2**30,
+            "max_memory_allocated_gib": None if peak is None else peak / 2**30,
+            "memory_error": (planned.get("error") or {}).get("memory_per_device_bytes"),
+            "step_time_s": (planned.get("predicted") or {}).get("step_time_s"),
+            "step_time_error": (planned.get("error") or {}).get("step_time_s"), "efficiency": planned.get("efficiency"),
+            "problem": planned.get("error") if isinstance(planned.get("error"), str) else None,
+        },
     }
 
 

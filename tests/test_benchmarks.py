@@ -132,3 +132,6 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(
     assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1
     assert report["step_time"]["total"] > 0
     assert 0 < report["async_save_blocking_s"] <= report["async_save_committed_s"]
+    # The planner's prediction for the same run (on a GPU also against torch.cuda.max_memory_allocated).
+    assert report["planner"]["layout"] == "dp1-tp1-pp1-mb8" and report["planner"]["step_time_s"] > 0
+    assert report["planner"]["problem"] is None and report["planner"]["memory_gib"] > 0

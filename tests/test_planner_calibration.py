@@ -51,6 +51,17 @@ def test_the_cluster_a_run_sees_is_its_chips_row_and_system() -> None:
     assert CPU.efficiency is CPU_EFFICIENCY and CPU.device.name.startswith("CPU (")
 
 
+def test_the_search_never_offers_a_layout_the_strategy_refuses() -> None:
+    # A V-shaped schedule puts the first and last stage on rank 0: a tied embedding and head there cannot
+    # be wrapped apart by data parallelism (the strategy refuses it), so auto must never choose it.
+    workload = Workload(16, 128, "32-true")
+    tied = list(candidates(TINY, workload, CPU))
+    assert TINY.tied and not [c for c in tied if c.schedule == "zbv" and c.dp > 1]
+    assert [c for c in tied if c.schedule == "zbv" and c.dp == 1]  # without data parallelism it runs
+    untied = list(candidates(dataclasses.replace(TINY, tied=False), workload, CPU))
+    assert [c for c in untied if c.schedule == "zbv" and c.dp > 1]
+
+
 def test_without_gradient_accumulation_a_replica_runs_its_whole_batch_at_once() -> None:
     found = list(candidates(TINY, Workload(16, 128, "32-true"), CPU, gradient_accumulation=False))
     assert {c.micro_batch for c in found if c.pp == 1} == {16 // c.dp for c in found if c.pp == 1}
@@ -68,10 +79,10 @@ def _observations(truth: Efficiency) -> list[Observation]:
 
 
 def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
-    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, intra_link=0.17)
+    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, collective_overhead=4e-4)
     observations = _observations(truth)
     fitted = fit_efficiency(observations[:3], CPU)  # three runs, three factors
-    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, intra_link fitted" in fitted.source
+    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, collective_overhead fitted" in fitted.source
     for o in observations:  # the two it never saw too
         predicted = estimate_time(o.shape, o.workload, o.candidate, CPU, fitted).step_time
         assert predicted == pytest.approx(o.step_time, rel=0.01), o.name
@@ -242,6 +253,12 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     assert metrics["train/step_time/total"] > 0 and planner["measured"]["step_time_s"] > 0
     assert planner["error"]["step_time_s"] == pytest.approx(planner["predicted"]["step_time_s"] / planner["measured"]["step_time_s"] - 1)
     assert "plan/tokens_per_sec" in (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0]
+
+    # The sweep report shows the prediction beside the measurement.
+    from lightning_scale.cli.report import build_report
+
+    report = build_report(tmp_path / "runs").markdown.read_text()
+    assert "## Planner: predicted and measured" in report and f"| {chosen.group(1)} | auto |" in report, report
 
     # Calibration learns from the run; a later plan of this machine uses it and says so.
     status, text, err = _plan_main(monkeypatch, capsys, "calibrate", str(tmp_path / "runs"), "--store", str(store))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, plot_all
+from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, planner_table, plot_all
 from lightning_scale.cli.environment import wandb_offline
 from lightning_scale.cli.results import collect_results, describe_totals, study_totals
 
@@ -318,6 +318,9 @@ def build_report(
         _markdown_table(header, body) if body else "(no completed job)",
         "",
     ]
+    if planner := planner_table(ranking, labels):
+        header_p, body_p, note = planner
+        md += ["## Planner: predicted and measured", "", note, "", _markdown_table(header_p, body_p), ""]
     if others:
         md += ["## Not completed", ""] + [f"- {labels[id(j)]}: **{j.get('status')}**: {j.get('reason', '')}" for j in others] + [""]
     md += ["## Plots", ""] + [f"![{name}](plots/{p.name})" for name, p in plotter.plots.items()] + [""]

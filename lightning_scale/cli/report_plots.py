@@ -8,6 +8,7 @@
   first (at the top), each with its value written beside it.
 - **Scaling** (tokens/s against devices with the ideal line, scaling efficiency): only when the
   groups span more than one device count; the measured point at a device count is its best group.
+- **Planner.** :func:`planner_table`: each job's predicted step time and tokens/s beside the measured ones.
 - **Noise.** Throughput is flagged when the repeats of one configuration differ by more than
   ``NOISE_SPREAD`` of their median ((max - min) / median), or when a job started on a busy machine:
   a 1-minute load average of at least ``LOADED_AT`` before its processes started (``load_average``
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOADED_AT", "NOISE_SPREAD", "PALETTE", "REPEAT_KEYS", "Group", "Plotter", "group_jobs", "no_throughput_note", "noise", "plot_all"]
+__all__ = ["LOADED_AT", "NOISE_SPREAD", "PALETTE", "REPEAT_KEYS", "Group", "Plotter", "group_jobs", "no_throughput_note", "noise", "planner_table", "plot_all"]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 """Series colours, in order; each PNG lists its series and their colours in its ``Series`` text chunk."""
@@ -343,3 +344,23 @@ def plot_all(
     ax.grid(alpha=0.3)
     plotter.save(fig, "loss_curves", "Loss curves", series)
     return notes
+
+
+def planner_table(jobs: Sequence[dict[str, Any]], labels: dict[int, str]) -> tuple[list[str], list[list[str]], str] | None:
+    """The planner's prediction for each job's layout beside what the job measured (``results.json``'s
+    ``planner``) with the error, and a note (the efficiency used, the mean error); None when no job has one."""
+    rows = [j for j in jobs if isinstance(j.get("planner"), dict) and "predicted" in j["planner"]]
+    if not rows:
+        return None
+    header = ["job", "layout", "chosen by", "predicted step s", "measured step s", "error", "predicted tokens/s", "measured tokens/s"]
+    body, errors = [], []
+    for j in rows:
+        p = j["planner"]
+        error, measured = (p.get("error") or {}).get("step_time_s"), (p.get("measured") or {}).get("step_time_s")
+        errors += [abs(error)] if error is not None else []
+        rate = j.get("tokens_per_sec")
+        body.append([labels[id(j)], str(p.get("layout")), str(p.get("chosen_by")), f"{p['predicted']['step_time_s']:.4g}",
+                     "–" if measured is None else f"{measured:.4g}", "–" if error is None else f"{error:+.1%}",
+                     f"{p['predicted']['tokens_per_sec']:,.0f}", "–" if rate is None else f"{rate:,.0f}"])  # fmt: skip
+    mean = f" Mean absolute step-time error {sum(errors) / len(errors):.1%} over {len(errors)} job(s)." if errors else ""
+    return header, body, f"Efficiency: {rows[0]['planner'].get('efficiency', '')}.{mean}"

@@ -37,9 +37,10 @@ __all__ = ["CALIBRATION_ENV", "FITTED", "Observation", "calibrated", "calibratio
 CALIBRATION_ENV = "LIGHTNING_SCALE_CALIBRATION"
 """The JSON file calibrations are stored in (default ``~/.cache/lightning_scale/calibration.json``)."""
 
-FITTED = ("compute", "overhead", "intra_link")
+FITTED = ("compute", "overhead", "collective_overhead")
 """What :func:`fit_efficiency` fits by default: few runs pin three factors, and these three set a small
-model's step time on any system (the rate of its matmuls, its fixed cost per block, its links)."""
+model's step time on any system (the rate of its matmuls, its fixed cost per block, the cost of each
+collective DTensor and FSDP issue); ``--fit`` adds the links' bandwidth and latency for large ones."""
 
 _GRIDS: dict[str, Sequence[float]] = {
     "compute": [0.05 * 1.25**k for k in range(20)],  # 0.05 .. 3.5 (a CPU's measured peak may be beaten)
@@ -48,6 +49,7 @@ _GRIDS: dict[str, Sequence[float]] = {
     "inter_link": [0.01 * 1.4**k for k in range(20)],
     "dp_overlap": [k / 10 for k in range(10)],
     "latency": [0.25 * 1.6**k for k in range(20)],
+    "collective_overhead": [0.0] + [1e-6 * 1.6**k for k in range(28)],
     "memory": [0.05 * 1.4**k for k in range(12)],
     "matmul_half": [4.0 * 2**k for k in range(8)],
 }

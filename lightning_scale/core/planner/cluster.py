@@ -114,6 +114,10 @@ class Efficiency:
     """Seconds per block and micro-batch, forward and backward, that are neither FLOPs nor bytes: kernel
     launches and the framework's Python (tens of microseconds a block on a GPU hidden behind its
     kernels; on a CPU, where every operator runs in the calling thread, a large share of small models' time)."""
+    collective_overhead: float = 0.0
+    """Seconds per collective issued from Python by DTensor (tensor parallelism) or FSDP (its gathers and
+    reduce-scatters), beyond the link's latency: redistribution, copy-in and copy-out. Not paid by
+    DDP's buckets or the pipeline's sends, which torch's C++ issues."""
     source: str = "defaults (not calibrated)"
 
     def link(self, cluster: Cluster, link: Link) -> float:

@@ -2,7 +2,8 @@
 
 :func:`candidates` enumerates data x tensor x pipeline sizes that multiply to the world size (tensor
 parallel within a node, dividing the heads, key/value heads and MLP width; pipeline no deeper than
-the blocks), each data-parallel mode, pipeline schedule (with its virtual stages), micro-batch size
+the blocks; never a layout the strategy refuses, such as a V-shaped schedule over a tied embedding
+under data parallelism), each data-parallel mode, pipeline schedule (with its virtual stages), micro-batch size
 and activation checkpointing; gradient accumulation (or pipeline micro-batches) keeps the global
 batch. :func:`plan` estimates each (:mod:`.memory`, :mod:`.step_time`) and ranks those that fit first,
 fastest first.
@@ -27,6 +28,9 @@ PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
     ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_zero_bubble", 2), ("zbv", 2),
 )  # fmt: skip
 """(schedule, stages per rank) the search tries when ``pp > 1``."""
+_V_SHAPED = ("zbv", "dualpipev")
+"""Schedules whose rank 0 runs the first and the last stage: a tied embedding and head are one weight
+there, which data parallelism (each stage wrapped on its own) cannot hold; the strategy refuses it."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ def candidates(
                 for schedule, v in schedules if p > 1 else (("1f1b", 1),):
                     if p > 1 and (m < p or (v > 1 and (m % p or shape.n_layers % (p * v)))):
                         continue
+                    if schedule in _V_SHAPED and shape.tied and d > 1:
+                        continue  # the tied embedding and head on one rank's two stages, wrapped apart by data parallelism
                     for mode in modes:
                         if mode == "hsdp" and not (1 < shard < d and d % shard == 0):
                             continue

@@ -11,15 +11,16 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
 - ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
   plus reduce-scatter under sequence parallelism: the same bytes in twice the messages) of the block's
   activations, two more per recomputed block, and the vocabulary-parallel embedding's and loss's few,
-  over the link the ``tp`` group spans;
+  over the link the ``tp`` group spans, each also paying :attr:`Efficiency.collective_overhead` (DTensor
+  issues them from Python);
 - ``pipeline_transfers``: per micro-batch one activation forward and one gradient backward between
   neighbouring stages;
 - ``bubble``: the schedule's idle share (:func:`~lightning_scale.core.pipeline.partition.bubble_fraction`,
   the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time;
 - ``data_parallel``: the gradient all-reduce (``ddp``: one per 25 MiB bucket), or the parameter
   all-gathers of each micro-batch's forward and backward and the gradients' reduce-scatter, one of
-  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once), less the share hidden behind the
-  compute (:attr:`Efficiency.dp_overlap`);
+  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once; FSDP's each pay
+  :attr:`Efficiency.collective_overhead`), less the share hidden behind the compute (:attr:`Efficiency.dp_overlap`);
 - ``overhead``: per block and micro-batch, what is neither FLOPs nor bytes (kernel launches, the
   framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), times the device's
   ``slowdown`` (CPU processes sharing cores);
@@ -28,7 +29,7 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
 
 A ring collective over ``n`` devices moves ``2 (n - 1) / n`` times the buffer per device for an
 all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each
-(the link's latency times :attr:`Efficiency.latency`).
+(the link's latency times :attr:`Efficiency.latency` and the device's ``slowdown``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def estimate_time(
     compute = stage_flops / rate
     recompute = recomputed * block_flops / 3 / rate
 
+    # A collective's step waits for every member to run: processes sharing cores wait their turn too.
+    lag = eff.latency * cluster.device.slowdown
+    issued = eff.collective_overhead * cluster.device.slowdown  # per collective DTensor or FSDP issues
     tp_link = cluster.link(t)
     tp_bytes = tokens_mb * shape.d_model * a
     # Per block, forward and backward: four all-reduces, or under sequence parallelism eight all-gathers
@@ -104,13 +108,14 @@ def estimate_time(
     sp = 2 if candidate.sequence_parallel else 1
     tp_collectives = sp * (4 * blocks + 2 * recomputed) + 4
     tp_time = _ring(t, (4 * blocks + 2 * recomputed + 1) * tp_bytes, 2, eff.link(cluster, tp_link),
-                    tp_link.latency * eff.latency, tp_collectives)  # fmt: skip
+                    tp_link.latency * lag, tp_collectives)  # fmt: skip
+    tp_time += tp_collectives * issued if t > 1 else 0.0
 
     p2p = 0.0
     if p > 1:
         pp_link = cluster.link(t * p)
         width = shape.d_model / (t if candidate.sequence_parallel else 1)
-        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency * eff.latency
+        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency * lag
 
     overhead = blocks * eff.overhead * cluster.device.slowdown
     per_mb = compute + recompute + tp_time + p2p + overhead
@@ -121,7 +126,7 @@ def estimate_time(
     dp_time = 0.0
     if d > 1:
         dp_link = cluster.link(candidate.world_size)
-        bw, latency = eff.link(cluster, dp_link), dp_link.latency * eff.latency
+        bw, latency = eff.link(cluster, dp_link), dp_link.latency * lag
         grads = params_rank * gbytes
         if candidate.dp_mode == "ddp":
             dp_time = _ring(d, grads, 2, bw, latency, max(1, math.ceil(grads / _DDP_BUCKET)))
@@ -131,6 +136,7 @@ def estimate_time(
             shard, units = (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d), blocks + 1
             gathers = 1 if candidate.dp_mode == "fsdp_grad_op" else 2 * m
             dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, latency, units) + _ring(shard, grads, 1, bw, latency, units)
+            dp_time += (gathers + 1) * units * issued
             if candidate.dp_mode == "hsdp" and d > shard:
                 dp_time += _ring(d // shard, grads / shard, 2, bw, latency, units)
             window = m * per_mb
