@@ -1,20 +1,28 @@
 """How right the planner is: its predictions against measurements, on this machine and published.
 
-    python benchmarks/planner.py
+    python benchmarks/planner.py                        # every case; 2 and 4 gloo processes on CPU
+    python benchmarks/planner.py --cases gpt-full-fp32,gpt/tp2
 
-- memory: one training step of the reference GPT in one process (GPT-2-like and Llama-like shapes;
-  fp32 and bf16-mixed; no, full and selective activation checkpointing): the predicted peak
-  against the peak of live tensors torch's ``MemTracker`` tracks on the same step
-  (``memory_error_mean``/``_max``, relative);
+- memory, one process: one training step of the reference GPT (GPT-2-like and Llama-like shapes;
+  fp32 and bf16-mixed; no, full and selective activation checkpointing), in Lightning's order (the
+  last step's gradients freed between forward and backward): the predicted peak against the peak of
+  live tensors torch's ``MemTracker`` tracks on the same step (:data:`MEMORY_CASES`);
+- memory, several processes (``memory_cases_multiprocess``, :data:`MULTIPROCESS_CASES`): the second
+  training step of ``HybridParallelStrategy`` in a Lightning ``Trainer`` on 2 or 4 gloo processes (ddp,
+  fsdp, tp, pp under gpipe/1f1b/interleaved, dp x tp, tp x pp, dp x pp; with and without
+  checkpointing; two GPT sizes and a Hugging Face Llama), each rank's peak against the planner's
+  estimate for its pipeline rank. ``MemTracker`` counts a DTensor's local shard, and here every tensor
+  the run holds at the step's start (:class:`~lightning_scale.core.planner.measure.StepTracker`).
+  ``memory_error_mean``/``_max``: relative, over the one-process cases and every rank of the others
+  (``memory_error_mean_multiprocess``/``_max_multiprocess``: the latter only);
 - published: the achieved teraFLOP/s per GPU of every row of Narayanan et al. 2021, Table 1
   (Megatron-LM, 1.7B-1T parameters, up to 3,072 A100s) with the A100 preset's one set of constants
   (``published_error_mean``/``_max``), each row printed;
 - search: every layout of a 70B Llama-shaped model on 1,024 H100s estimated and ranked
   (``search_seconds``, CPU time of this process, and ``search_layouts``).
 
-Not measured yet, reported as null: multi-process memory (``memory_cases_multiprocess``), step time
-after calibration on this machine (``time_error_mean``, ``spearman``) and ``strategy=auto``
-(``auto_vs_best``); see issue 26's notes.
+Not measured yet, reported as null: step time after calibration on this machine (``time_error_mean``,
+``spearman``) and ``strategy=auto`` (``auto_vs_best``); see issue 26's notes.
 
 Prints ``BENCH planner {json}`` last and writes benchmarks/results/planner.json.
 """
@@ -28,16 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape, plan
-from lightning_scale.core.planner.measure import tracked_peak
+from lightning_scale.core.planner.measure import StepTracker, tracked_peak
 from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.published import NARAYANAN_2021, megatron_flops_per_step
 from lightning_scale.core.planner.search import candidates
 from lightning_scale.core.planner.step_time import estimate_time
-from lightning_scale.models import GPT, GPTConfig
+from lightning_scale.models import GPT, GPTConfig, GPTLightningModule
 from lightning_scale.models.parallel import language_model_loss
+from lightning_scale.strategies import HybridParallelStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -63,12 +75,12 @@ def measured_step_peak(config: GPTConfig, batch: int, seq: int, checkpointing: s
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = (torch.randint(0, config.vocab_size, (batch, seq)) for _ in range(2))
 
-    def step() -> None:
+    def step() -> None:  # in Lightning's order: the last step's gradients are freed after the forward
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             loss = language_model_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     step()
     return tracked_peak(step, model, optimizer)
@@ -82,9 +94,152 @@ def memory_errors(cases: list[str] | None = None) -> dict[str, float]:
         measured = measured_step_peak(config, batch, seq, checkpointing, precision)
         candidate = Candidate(1, 1, 1, micro_batch=batch, checkpointing=checkpointing, checkpoint_every=2)
         predicted = estimate_memory(model_shape(config), Workload(batch, seq, precision), candidate, foreach=False).total
-        errors[name] = predicted / measured - 1
-        print(f"memory {name}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {errors[name]:+.3f}")
+        errors[name] = _report(name, measured, predicted)
     return errors
+
+
+# ------------------------------------------------------------------------------ multi-process memory
+
+_GPT_SMALL = GPTConfig(n_layers=4, d_model=128, n_heads=4, block_size=64, vocab_size=256)
+_GPT_WIDE = GPTConfig(n_layers=4, d_model=192, n_heads=4, n_kv_heads=2, mlp="swiglu", positional="rope", norm="rmsnorm",
+                      tie_embeddings=False, vocab_size=512, block_size=64)  # fmt: skip
+HF_LLAMA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "hidden_act": "silu",
+            "tie_word_embeddings": False}  # fmt: skip
+"""A Hugging Face ``LlamaConfig``'s fields (random weights; nothing is downloaded)."""
+MODELS: dict[str, Any] = {"gpt": _GPT_SMALL, "gpt-wide": _GPT_WIDE, "hf-llama": HF_LLAMA}
+
+_FP32 = Workload(8, 64, "32-true")
+MULTIPROCESS_CASES: dict[str, tuple[str, Workload, Candidate]] = {
+    "gpt/ddp2": ("gpt", _FP32, Candidate(2, 1, 1, micro_batch=4)),
+    "gpt/fsdp2": ("gpt", _FP32, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
+    "gpt/fsdp2-ac": ("gpt", _FP32, Candidate(2, 1, 1, "fsdp", micro_batch=4, checkpointing="full")),
+    "gpt/tp2": ("gpt", _FP32, Candidate(1, 2, 1, micro_batch=8, sequence_parallel=True)),
+    "gpt/tp2-ac": ("gpt", _FP32, Candidate(1, 2, 1, micro_batch=8, sequence_parallel=True, checkpointing="full")),
+    "gpt/pp2-gpipe": ("gpt", _FP32, Candidate(1, 1, 2, schedule="gpipe", micro_batch=2)),
+    "gpt/pp2-1f1b": ("gpt", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2)),
+    "gpt/pp2-1f1b-ac": ("gpt", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2, checkpointing="full")),
+    "gpt/pp2-interleaved": ("gpt", _FP32, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2)),
+    "gpt-wide/ddp2-ac": ("gpt-wide", _FP32, Candidate(2, 1, 1, micro_batch=4, checkpointing="selective")),
+    "gpt-wide/tp2-nosp": ("gpt-wide", _FP32, Candidate(1, 2, 1, micro_batch=8)),
+    "gpt-wide/pp2-interleaved-ac": ("gpt-wide", _FP32, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                                  micro_batch=2, checkpointing="full")),
+    "hf-llama/fsdp2": ("hf-llama", _FP32, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
+    "hf-llama/pp2-1f1b": ("hf-llama", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2)),
+    "gpt/dp2-tp2": ("gpt", _FP32, Candidate(2, 2, 1, micro_batch=4, sequence_parallel=True)),
+    "gpt/tp2-pp2": ("gpt", _FP32, Candidate(1, 2, 2, micro_batch=2, sequence_parallel=True)),
+    "gpt-wide/dp2-tp2-ac": ("gpt-wide", _FP32, Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True,
+                                                          checkpointing="full")),
+    "hf-llama/dp2-pp2": ("hf-llama", _FP32, Candidate(2, 1, 2, "fsdp", schedule="1f1b", micro_batch=2)),
+}  # fmt: skip
+"""(model of :data:`MODELS`, workload, layout) per case, run by ``HybridParallelStrategy`` on
+``candidate.world_size`` gloo processes."""
+
+
+class _HFLlama(LightningModule):
+    """A transformers ``LlamaForCausalLM`` as a user wraps one (the strategy finds its plan and stages)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(LlamaConfig(**config))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return language_model_loss(self.model(input_ids=inputs).logits, targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class StepPeak(Callback):
+    """The peak bytes of live tensors over training step ``step`` (0-based), counting every tensor the
+    run holds at its start (:class:`StepTracker`). The second by default: the optimizer state exists,
+    and DDP rebuilds its gradient buckets at its start, where the tracker sees them (in C++ from then
+    on, a later step would miss them)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        self.tracker: StepTracker | None = None
+        self._running = False
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and self.tracker is None:
+            self.tracker = StepTracker(trainer.strategy.model, *trainer.optimizers, alive=True)
+            self.tracker.start()
+            self._running = True
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._running and self.tracker is not None:
+            self.tracker.stop()
+            self._running = False
+
+
+def _rank_step_peak(model: str, workload: Workload, candidate: Candidate) -> dict[str, int]:
+    """In one rank of ``candidate.world_size``: two training steps of ``model`` under
+    ``HybridParallelStrategy`` at ``candidate``'s layout; the second step's peak and this rank's
+    pipeline rank."""
+    seed_everything(0, verbose=False)
+    c, config = candidate, MODELS[model]
+    vocab = config.vocab_size if isinstance(config, GPTConfig) else config["vocab_size"]
+    tokens = torch.randint(0, vocab, (2 * workload.global_batch, workload.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=workload.global_batch // c.dp)
+    strategy = HybridParallelStrategy(
+        data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, data_parallel_mode=c.dp_mode,
+        schedule=c.schedule, virtual_stages=c.virtual_stages, microbatches=c.microbatches(workload) if c.pp > 1 else None,
+        activation_checkpointing=c.checkpointing, activation_checkpointing_every=c.checkpoint_every,
+        sequence_parallel=c.sequence_parallel,
+    )  # fmt: skip
+    peak = StepPeak()
+    trainer = Trainer(
+        accelerator="cpu", devices=c.world_size, strategy=strategy, max_steps=2, precision=workload.precision,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[peak],
+    )  # fmt: skip
+    module = GPTLightningModule(config, warmup_steps=0) if isinstance(config, GPTConfig) else _HFLlama(config)
+    trainer.fit(module, train_dataloaders=loader)
+    if peak.tracker is None:
+        raise RuntimeError(f"{model} at {c.name}: the run ended before its second step")
+    return {"peak": peak.tracker.peak, "pipeline_rank": strategy.device_mesh["pp"].get_local_rank()}
+
+
+def multiprocess_peaks(rank: int, world: int, names: list[str]) -> dict[str, dict[str, int]]:
+    """In each of ``world`` ranks, the process group joined: :func:`_rank_step_peak` of each case named
+    (all of ``world`` processes), one after the other."""
+    return {name: _rank_step_peak(*MULTIPROCESS_CASES[name]) for name in names}
+
+
+def multiprocess_errors(peaks: list[dict[str, dict[str, int]]]) -> dict[str, float]:
+    """Predicted over measured, minus one, per case and rank, from every rank's :func:`multiprocess_peaks`
+    (in rank order): the planner's estimate for the rank's pipeline stage."""
+    errors = {}
+    for name in peaks[0]:
+        model, workload, candidate = MULTIPROCESS_CASES[name]
+        for rank, measured in enumerate(p[name] for p in peaks):
+            estimate = estimate_memory(model_shape(MODELS[model]), workload, candidate, foreach=False,
+                                       pipeline_rank=measured["pipeline_rank"])  # fmt: skip
+            errors[f"{name} rank {rank}"] = _report(f"{name} rank {rank}", measured["peak"], estimate.total)
+    return errors
+
+
+def _report(case: str, measured: float, predicted: float) -> float:
+    """Print a case's measured and predicted peak; return the relative error."""
+    error = predicted / measured - 1
+    print(f"memory {case}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {error:+.3f}")
+    return error
+
+
+def _multiprocess_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    from _common import join_process_group
+
+    join_process_group(rank, world, port)
+    peaks = multiprocess_peaks(rank, world, args.names)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, peaks)
+    if rank == 0:
+        queue.put(gathered)
+    dist.destroy_process_group()
 
 
 def published_errors() -> list[float]:
@@ -120,19 +275,31 @@ def search() -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS / "planner.json")
-    parser.add_argument("--cases", default=",".join(MEMORY_CASES), help="memory cases, comma-separated (default: all)")
+    every = [*MEMORY_CASES, *MULTIPROCESS_CASES]
+    parser.add_argument("--cases", default=",".join(every), help="memory cases, comma-separated (default: all)")
     args = parser.parse_args()
-    unknown = sorted(set(args.cases.split(",")) - set(MEMORY_CASES))
+    names = args.cases.split(",")
+    unknown = sorted(set(names) - set(every))
     if unknown:
-        parser.error(f"unknown memory case(s) {unknown}; valid: {', '.join(MEMORY_CASES)}")
-    memory = memory_errors(args.cases.split(","))
+        parser.error(f"unknown memory case(s) {unknown}; valid: {', '.join(every)}")
+    memory = memory_errors([n for n in names if n in MEMORY_CASES]) if set(names) & set(MEMORY_CASES) else {}
+    multiprocess: dict[str, float] = {}
+    for world in (2, 4):  # one start of the processes per world size, its cases in sequence
+        chosen = [n for n in names if n in MULTIPROCESS_CASES and MULTIPROCESS_CASES[n][2].world_size == world]
+        if chosen:
+            from _common import run_workers
+
+            multiprocess |= multiprocess_errors(run_workers(_multiprocess_worker, world, argparse.Namespace(names=chosen)))
     published = published_errors()
     seconds, layouts = search()
+    every_error = [abs(e) for e in (*memory.values(), *multiprocess.values())]
     report: dict[str, Any] = {
-        "memory_error_mean": statistics.fmean(abs(e) for e in memory.values()),
-        "memory_error_max": max(abs(e) for e in memory.values()),
+        "memory_error_mean": statistics.fmean(every_error) if every_error else None,
+        "memory_error_max": max(every_error) if every_error else None,
         "memory_cases": len(memory),
-        "memory_cases_multiprocess": None,
+        "memory_cases_multiprocess": len({key.rsplit(" rank ", 1)[0] for key in multiprocess}),
+        "memory_error_mean_multiprocess": statistics.fmean(abs(e) for e in multiprocess.values()) if multiprocess else None,
+        "memory_error_max_multiprocess": max(abs(e) for e in multiprocess.values()) if multiprocess else None,
         "time_error_mean": None,
         "spearman": None,
         "published_error_mean": statistics.fmean(abs(e) for e in published),

@@ -1,5 +1,5 @@
 """The planner's model (core/planner): shapes read exactly, memory against torch's dispatch-level
-tracker on real steps, step time against published Megatron-LM measurements, the search's size and
+tracker on real steps (in one process, and in every rank of the strategy on several), step time against published Megatron-LM measurements, the search's size and
 speed, and bad input refused before any work."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.distributed import run_distributed
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner import Candidate, Cluster, Workload, cluster, estimate, model_shape, plan
@@ -81,6 +82,39 @@ def _benchmark() -> Any:
 def test_one_process_memory_is_within_10_percent_of_the_tracked_peak() -> None:
     errors = _benchmark().memory_errors()  # six cases: GPT and Llama-like, fp32 and bf16, no/full/selective checkpointing
     assert len(errors) == 6 and all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+MULTIPROCESS_SUBSET = {
+    2: ["gpt/ddp2", "gpt/fsdp2-ac", "gpt/tp2", "gpt/pp2-gpipe", "gpt/pp2-interleaved", "hf-llama/pp2-1f1b"],
+    4: ["gpt/tp2-pp2", "gpt-wide/dp2-tp2-ac"],
+}
+"""Of the benchmark's multi-process cases: DDP's buckets, FSDP2's buffers under checkpointing, sequence
+parallelism's gathered inputs, GPipe's gradients, interleaved stages, a Hugging Face Llama's pipeline,
+tensor x pipeline, and FSDP2 over tensor parallelism."""
+
+
+def _multiprocess_peaks(rank: int, world: int, names: list[str]) -> Any:
+    return _benchmark().multiprocess_peaks(rank, world, names)
+
+
+@pytest.mark.parametrize("world", sorted(MULTIPROCESS_SUBSET))
+def test_every_ranks_memory_is_within_10_percent_of_its_tracked_peak_under_the_strategy(world: int) -> None:
+    """HybridParallelStrategy in a Trainer on ``world`` gloo processes, the second step of each case
+    tracked in every rank; the planner's estimate for each rank's pipeline stage."""
+    names = MULTIPROCESS_SUBSET[world]
+    errors = _benchmark().multiprocess_errors(run_distributed(_multiprocess_peaks, world, names, timeout=300))
+    assert len(errors) == world * len(names) and all(abs(e) < 0.10 for e in errors.values()), errors
+
+
+def test_a_pipeline_ranks_estimate_is_its_own() -> None:
+    shape, workload = model_shape(PRESETS["gpt2-124m"]), Workload(16, 1024, "bf16-mixed")
+    candidate = Candidate(1, 1, 4, schedule="1f1b", micro_batch=2)
+    ranks = [estimate_memory(shape, workload, candidate, pipeline_rank=r) for r in range(4)]
+    assert [e.rank for e in ranks] == ["first", "rank 1", "rank 2", "last"]
+    assert [r.terms["activations"] for r in ranks] == sorted((r.terms["activations"] for r in ranks), reverse=True)
+    assert estimate_memory(shape, workload, candidate).total == max(ranks[0].total, ranks[3].total)
+    with pytest.raises(ValueError, match=r"pipeline_rank=4 is not a pipeline rank of .* use 0 to 3"):
+        estimate_memory(shape, workload, candidate, pipeline_rank=4)
 
 
 def test_sharding_divides_the_states_the_mode_shards() -> None:

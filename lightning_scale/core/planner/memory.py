@@ -1,40 +1,67 @@
 """Peak tensor memory per device of one training step, term by term. No Lightning.
 
 The terms, for the most loaded pipeline rank (the first holds the most micro-batches in flight and the
-embedding; the last the head and the logits; both are evaluated and the larger is the peak):
+embedding; the last the head and the logits; both are evaluated and the larger is the peak), or for
+the pipeline rank asked for:
 
 - ``parameters``, ``gradients``, ``optimizer``: the rank's parameters (its blocks, divided by ``tp``;
   the embedding on the first stage and the head on the last, vocabulary-parallel under ``tp``), each
   in its dtype (:data:`~lightning_scale.core.planner.layout.PRECISION_BYTES`), divided by the
   data-parallel shard for the modes that shard them (``fsdp``: all three; ``fsdp_grad_op``: gradients
   and optimizer state, the parameters stay gathered from the forward to the backward; ``hsdp``: like
-  ``fsdp`` over its shard group; ``ddp``: none);
+  ``fsdp`` over its shard group; ``ddp``: none). The gradients of the step before: Lightning frees them
+  between the forward and the backward (it zeroes them after ``training_step``), so without a pipeline
+  they are held with the forward's activations and count beyond what only the backward allocates
+  before its own (the loss's backward, FSDP's backward buffers; under full checkpointing the peak is a
+  block recomputed in the backward, beside the new gradients of the blocks after it: counted in
+  full). A pipeline step frees them before its schedule runs; when every forward runs before the
+  first backward (GPipe; 1F1B with no more micro-batches than ``p - rank``), that backward allocates
+  the gradients as it frees one micro-batch's activations of one stage, and they count beyond those.
+  FSDP under a pipeline keeps them unsharded until the last micro-batch's reduce-scatter;
 - ``cast_weights``: under mixed precision autocast keeps a 16-bit copy of every weight a matmul used
   until the backward is done;
-- ``fsdp_buffers``: the gathered parameters of the block in use and the one prefetched, and one
-  block's unsharded gradients before their reduce-scatter;
+- ``fsdp_buffers``: FSDP2's unsharded parameters and gradients. Without a pipeline: the gathered
+  parameters of the block in use and the one prefetched, one block's unsharded gradients before their
+  reduce-scatter, and the modules outside the blocks (embeddings, final norm, head), gathered from the
+  forward to the end of the backward; the loss's backward is over before the last block is gathered
+  again, so of it and the second block's parameters and gradients only the larger counts. Under a
+  pipeline every parameter of the rank stays gathered for all micro-batches of the step. ``ddp``
+  beside tensor or pipeline parallelism is FSDP2's ``replicate``, which gathers every parameter into
+  a copy of its own (over a shard group of one), held from the forward to the end of the backward;
+- ``ddp_buckets``: plain DDP (``ddp`` alone) copies the gradients into flat buckets of its own
+  (``gradient_as_bucket_view=False``, the strategy's default) as big as the gradients, kept between
+  steps;
 - ``activations``: what one block saves for its backward per micro-batch (below), times the blocks
   of the rank, times the micro-batches the schedule keeps in flight on that rank; checkpointed blocks
   save only their input;
 - ``recompute``: a checkpointed block's activations rebuilt in the backward (with the gradient
   arriving at its output), beyond what the blocks after it and the loss freed by then;
-- ``logits``: the last stage's output and loss for a micro-batch (log-probabilities saved in fp32 for
-  each micro-batch in flight there, plus the logits and their gradient while the loss runs);
+- ``logits``: the last stage's output and loss for a micro-batch (log-probabilities saved in fp32 and
+  the inputs of the final norm and of the head, for each micro-batch in flight there, plus the logits
+  and their gradient while the loss runs);
 - ``pipeline_buffers``: the receive buffers a pipeline stage allocates for every micro-batch
   (activations forward, their gradients backward);
 - ``optimizer_step``: the optimizer's temporaries (AdamW's foreach update, torch's default on CUDA,
   holds one buffer the size of all parameters; its per-parameter loop, the default on CPU, the size of
-  the largest), counted in the optimizer step's peak, which is taken against the step's forward and
-  backward peak;
+  the largest), counted in the optimizer step's peak (with DDP's buckets), which is taken against the
+  step's forward and backward peak;
 - ``framework``: a constant for what the runtime holds besides tensors (0 for tensor memory).
 
 Activations saved by one pre-norm decoder block per token, with ``a`` bytes per 16/32-bit matmul
 output and ``r`` per element of the residual stream (fp32 under mixed precision): the two norms'
-inputs (``2 r d``) and the two linears' inputs they feed (``2 a d``), both divided by ``tp`` only under
-sequence parallelism; queries, keys and values (``a (H + 2 K) Q``), attention's output and the
-contiguous copy of it the output projection reads (``2 a H Q``) and its log-sum-exp (``4 H``), the MLP's hidden
+inputs (``2 r d``; an RMSNorm also keeps its normalised input, another ``2 r d``: torch computes
+``rms_norm`` in steps on CPU, as Hugging Face's ``LlamaRMSNorm`` does everywhere), divided by ``tp``
+under sequence parallelism; the inputs of the linears they feed, never divided (DTensor gathers the
+sequence before the projections and autograd keeps the gathered input): ``2 a d``, or under autocast
+one 16-bit copy per linear, each casting its input itself (``(3 + 1) a d``, ``(3 + 2) a d`` gated);
+queries, keys and values (``a (H + 2 K) Q``), attention's output (``a H Q``; after rotary embeddings,
+which write the queries heads-major and the kernel its output alike, also the contiguous copy the
+output projection reads, another ``a H Q``) and its log-sum-exp (``4 H``), the MLP's hidden
 activations (``2 a F``, or ``4 a F`` gated), all divided by ``tp``. Attention is taken as a fused
 (flash or memory-efficient) kernel, which keeps no ``T x T`` matrix.
+
+Checked against torch's ``MemTracker`` on real steps of this package in one and several processes
+(``benchmarks/planner.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +80,8 @@ class MemoryEstimate:
     terms: dict[str, float]
     """Bytes per term at the peak (see the module doc)."""
     rank: str
-    """Which pipeline rank peaks: ``"first"`` or ``"last"`` (``"only"`` without a pipeline)."""
+    """Which pipeline rank peaks: ``"first"`` or ``"last"`` (``"only"`` without a pipeline); for a
+    pipeline rank asked for, ``"rank N"`` when it is neither."""
     inputs: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -86,18 +114,26 @@ def in_flight(candidate: Candidate, microbatches: int, rank: int) -> float:
     return chunks / v
 
 
+def _residual_bytes(workload: Workload) -> int:
+    """Bytes per element of the residual stream (fp32 under mixed precision) and of the norms' inputs."""
+    return 4 if workload.precision in ("32-true", "bf16-mixed", "16-mixed") else 2
+
+
 def _block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Candidate) -> tuple[float, float]:
     """(bytes one block saves per micro-batch, bytes a checkpointed block keeps: its input)."""
-    _, _, a = PRECISION_BYTES[workload.precision]
-    r = 4 if workload.precision in ("32-true", "bf16-mixed", "16-mixed") else 2
+    pbytes, _, a = PRECISION_BYTES[workload.precision]
+    r = _residual_bytes(workload)
     t = candidate.tp
+    sp = t if candidate.sequence_parallel else 1
     tokens = candidate.micro_batch * workload.seq_len
     d, q = shape.d_model, shape.head_dim
-    replicated = shape.d_model * (2 * r + 2 * a) + 16  # two norms' inputs, two linears' inputs, norm stats
-    sharded = a * (shape.n_heads + 2 * shape.n_kv_heads) * q + 2 * a * shape.n_heads * q + 4 * shape.n_heads
-    sharded += a * shape.d_ff * (4 if shape.gated_mlp else 2)
-    per_token = replicated / (t if candidate.sequence_parallel else 1) + sharded / t
-    block_input = r * d / (t if candidate.sequence_parallel else 1)
+    norms = 2 * d * r * (1 if shape.layernorm else 2) + 16  # inputs (RMSNorm's normalised input too), statistics
+    readers = (3 + (2 if shape.gated_mlp else 1)) if pbytes > a else 2  # autocast: every linear casts its own copy
+    attention = a * (shape.n_heads + 2 * shape.n_kv_heads) * q + 4 * shape.n_heads
+    attention += a * shape.n_heads * q * (1 if shape.learned_positions else 2)  # output, and the copy after rotary
+    mlp = a * shape.d_ff * (4 if shape.gated_mlp else 2)
+    per_token = norms / sp + readers * a * d + (attention + mlp) / t
+    block_input = r * d / sp
     return per_token * tokens, block_input * tokens
 
 
@@ -136,32 +172,51 @@ def _rank_estimate(
     if candidate.schedule in ("zbv", "dualpipev") and p > 1:
         first = last = rank == 0  # V-shaped: rank 0 runs the first and the last stage
     pbytes, gbytes, a = PRECISION_BYTES[workload.precision]
+    r = _residual_bytes(workload)
     params, matmul = _rank_parameters(shape, candidate, first, last)
     p_shard, g_shard, o_shard = _shards(candidate)
     blocks = rank_blocks(shape, p)
-    block_params = shape.block_parameters / candidate.tp
+    norms = shape.block_parameters - shape.block_matmul_parameters  # replicated under tensor parallelism
+    block_params = shape.block_matmul_parameters / candidate.tp + norms
     terms: dict[str, float] = {
         "parameters": params * pbytes / p_shard,
         "gradients": params * gbytes / g_shard,
         "optimizer": params * pbytes * OPTIMIZERS[workload.optimizer] / o_shard,
         "cast_weights": matmul * a if pbytes > a else 0.0,
         "fsdp_buffers": 0.0,
+        "ddp_buckets": 0.0,
     }
-    if candidate.dp_mode in ("fsdp", "hsdp") and p_shard > 1:
-        terms["fsdp_buffers"] = block_params * (2 * pbytes + gbytes)
+    backward_only = 0.0  # what the backward allocates before the new gradients (the loss's, FSDP's buffers)
+    if candidate.dp_mode in ("fsdp", "hsdp") and p_shard > 1 and p > 1:
+        # Gathered once for every micro-batch of the step; gradients reduce-scattered after the last.
+        terms["fsdp_buffers"] = params * pbytes
+        terms["gradients"] = params * gbytes
+    elif candidate.dp_mode in ("fsdp", "hsdp") and p_shard > 1:
+        backward_only = block_params * (pbytes + gbytes)
+        terms["fsdp_buffers"] = block_params * pbytes + backward_only + (params - blocks * block_params) * pbytes
     elif candidate.dp_mode == "fsdp_grad_op" and candidate.dp > 1:
         terms["fsdp_buffers"] = block_params * gbytes
+    elif candidate.dp_mode == "ddp" and candidate.dp > 1 and candidate.tp == p == 1:
+        terms["ddp_buckets"] = params * gbytes
+    elif candidate.dp_mode == "ddp" and candidate.dp > 1:
+        terms["fsdp_buffers"] = params * pbytes  # FSDP2's replicate: a gathered copy, forward to backward
     m = candidate.microbatches(workload)
     saved, kept = _block_activation_bytes(shape, workload, candidate)
     checkpointed = candidate.checkpointed_blocks(blocks)
     per_microbatch = (blocks - checkpointed) * saved + checkpointed * kept
-    terms["activations"] = in_flight(candidate, m, rank) * per_microbatch
+    held = in_flight(candidate, m, rank)
+    terms["activations"] = held * per_microbatch
     terms["logits"] = 0.0
     if last:
         tokens = candidate.micro_batch * workload.seq_len
-        vocab = shape.vocab_size / candidate.tp
-        held = in_flight(candidate, m, p - 1) if p > 1 else 1.0
-        terms["logits"] = tokens * vocab * (4 * held + 8 + a)
+        logits = tokens * shape.vocab_size / candidate.tp
+        head = tokens * shape.d_model * (r / (candidate.tp if candidate.sequence_parallel else 1) + a)
+        last_held = in_flight(candidate, m, p - 1) if p > 1 else 1.0
+        terms["logits"] = last_held * (logits * 4 + head) + logits * (8 + a)
+        # The loss's backward is over before FSDP gathers the last block again: the larger of the two.
+        overlap = min(backward_only, logits * (8 + a))
+        terms["fsdp_buffers"] -= overlap
+        backward_only += logits * (8 + a) - overlap
     # A checkpointed block's activations are rebuilt in the backward once the blocks after it have
     # freed theirs, and the loss its logits: only what exceeds that adds to the peak.
     last_checkpointed = 0 if checkpointed == 0 else (blocks - 1 if candidate.checkpointing == "full"
@@ -175,23 +230,38 @@ def _rank_estimate(
         width = shape.d_model / (candidate.tp if candidate.sequence_parallel else 1)
         chunks = candidate.stages_per_rank
         terms["pipeline_buffers"] = 2 * m * chunks * tokens * width * a
-    if p == 1 and m == 1:
-        # Gradients replace activations block by block in the backward: the larger of the two, not both.
-        grads, acts = terms["gradients"], terms["activations"] + terms["logits"]
-        terms["gradients"] = max(0.0, grads - acts)
+    if p == 1 and m == 1 and candidate.checkpointing != "full":
+        # Lightning frees the last step's gradients between the forward and the backward: they are held
+        # with the forward's activations, and count beyond what only the backward allocates. (Under full
+        # checkpointing the forward keeps next to nothing: the peak is a block recomputed in the
+        # backward, beside the new gradients of the blocks after it.)
+        terms["gradients"] = max(0.0, terms["gradients"] - backward_only)
+    elif p > 1 and held >= m:
+        # Every forward runs before the first backward, which allocates the gradients as it frees one
+        # micro-batch's activations (of one stage): counted beyond those only.
+        terms["gradients"] = max(0.0, terms["gradients"] - per_microbatch / candidate.stages_per_rank)
     terms["framework"] = framework
     return terms
 
 
 def estimate_memory(
     shape: ModelShape, workload: Workload, candidate: Candidate, *, framework: float = 0.0,
-    foreach: bool = True,
+    foreach: bool = True, pipeline_rank: int | None = None,
 ) -> MemoryEstimate:
     """The peak bytes per device of one training step (after the first: optimizer state exists).
 
     ``foreach``: the optimizer updates all parameters at once (torch's default on CUDA), holding a
-    temporary of their size; ``False`` (its default on CPU): one parameter at a time."""
+    temporary of their size; ``False`` (its default on CPU): one parameter at a time.
+    ``pipeline_rank``: the estimate for that pipeline rank (``0 .. pp - 1``; its data- and
+    tensor-parallel peers hold the same); by default the larger of the first and the last."""
     ranks = [0] if candidate.pp == 1 else [0, candidate.pp - 1]
+    if pipeline_rank is not None:
+        if not 0 <= pipeline_rank < candidate.pp:
+            raise ValueError(
+                f"pipeline_rank={pipeline_rank} is not a pipeline rank of {candidate.name} (pp={candidate.pp}): "
+                f"use 0 to {candidate.pp - 1}, or None for the most loaded."
+            )
+        ranks = [pipeline_rank]
     best: tuple[float, dict[str, float], int] | None = None
     for rank in ranks:
         terms = _rank_estimate(shape, workload, candidate, rank, framework=framework)
@@ -205,7 +275,7 @@ def estimate_memory(
         step = (
             params * pbytes / p_shard + params * gbytes / g_shard
             + params * pbytes * OPTIMIZERS[workload.optimizer] / o_shard
-            + (temporary if OPTIMIZERS[workload.optimizer] else 0.0) + framework
+            + (temporary if OPTIMIZERS[workload.optimizer] else 0.0) + terms["ddp_buckets"] + framework
         )  # fmt: skip
         step_peak = step - sum(terms.values())
         terms["optimizer_step"] = max(0.0, step_peak)
@@ -214,5 +284,5 @@ def estimate_memory(
             best = (total, terms, rank)
     assert best is not None
     _, terms, rank = best
-    where = "only" if candidate.pp == 1 else ("first" if rank == 0 else "last")
+    where = "only" if candidate.pp == 1 else {0: "first", candidate.pp - 1: "last"}.get(rank, f"rank {rank}")
     return MemoryEstimate(terms, where, {"microbatches": candidate.microbatches(workload)})
