@@ -1,7 +1,7 @@
 """How right the planner is: its predictions against measurements, on this machine and published.
 
     python benchmarks/planner.py                        # every case; 2 and 4 gloo processes on CPU
-    python benchmarks/planner.py --cases gpt-full-fp32,gpt/tp2
+    python benchmarks/planner.py --cases gpt-full-fp32,gpt/tp2 --time-steps 0
 
 - memory, one process: one training step of the reference GPT (GPT-2-like and Llama-like shapes;
   fp32 and bf16-mixed; no, full and selective activation checkpointing), in Lightning's order (the
@@ -21,8 +21,9 @@
 - search: every layout of a 70B Llama-shaped model on 1,024 H100s estimated and ranked
   (``search_seconds``, CPU time of this process, and ``search_layouts``).
 
-Not measured yet, reported as null: step time after calibration on this machine (``time_error_mean``,
-``spearman``) and ``strategy=auto`` (``auto_vs_best``); see issue 26's notes.
+- step time (``--time-steps``, 0 to skip; :mod:`planner_time`): 12 runs of ``lightning-scale-train`` on 2
+  and 4 processes, calibrated from three, the other nine predicted (``time_error_mean``/``_max``,
+  ``spearman``), and ``strategy=auto`` on 4 processes against the best of them (``auto_vs_best``).
 
 Prints ``BENCH planner {json}`` last and writes benchmarks/results/planner.json.
 """
@@ -277,6 +278,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "planner.json")
     every = [*MEMORY_CASES, *MULTIPROCESS_CASES]
     parser.add_argument("--cases", default=",".join(every), help="memory cases, comma-separated (default: all)")
+    parser.add_argument("--time-steps", type=int, default=40,
+                        help="steps of each run of the step-time study (benchmarks/planner_time.py); 0: skip it")  # fmt: skip
+    parser.add_argument("--time-workdir", type=Path, default=None, help="keep (and reuse) the study's runs here")
     args = parser.parse_args()
     names = args.cases.split(",")
     unknown = sorted(set(names) - set(every))
@@ -293,6 +297,15 @@ def main() -> None:
     published = published_errors()
     seconds, layouts = search()
     every_error = [abs(e) for e in (*memory.values(), *multiprocess.values())]
+    timed: dict[str, Any] = {}
+    if args.time_steps:
+        import tempfile
+
+        from planner_time import time_study
+
+        workdir = args.time_workdir or Path(tempfile.mkdtemp(prefix="planner-time-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        timed = time_study(workdir, args.time_steps)
     report: dict[str, Any] = {
         "memory_error_mean": statistics.fmean(every_error) if every_error else None,
         "memory_error_max": max(every_error) if every_error else None,
@@ -300,11 +313,14 @@ def main() -> None:
         "memory_cases_multiprocess": len({key.rsplit(" rank ", 1)[0] for key in multiprocess}),
         "memory_error_mean_multiprocess": statistics.fmean(abs(e) for e in multiprocess.values()) if multiprocess else None,
         "memory_error_max_multiprocess": max(abs(e) for e in multiprocess.values()) if multiprocess else None,
-        "time_error_mean": None,
-        "spearman": None,
+        "time_error_mean": timed.get("time_error_mean"),
+        "time_error_max": timed.get("time_error_max"),
+        "time_cases": timed.get("time_cases"),
+        "spearman": timed.get("spearman"),
         "published_error_mean": statistics.fmean(abs(e) for e in published),
         "published_error_max": max(abs(e) for e in published),
-        "auto_vs_best": None,
+        "auto_vs_best": timed.get("auto_vs_best"),
+        "auto_layout": timed.get("auto_layout"),
         "search_seconds": seconds,
         "search_layouts": layouts,
     }

@@ -79,10 +79,10 @@ def _observations(truth: Efficiency) -> list[Observation]:
 
 
 def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
-    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, collective_overhead=4e-4)
+    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, intra_link=0.17)
     observations = _observations(truth)
     fitted = fit_efficiency(observations[:3], CPU)  # three runs, three factors
-    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, collective_overhead fitted" in fitted.source
+    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, intra_link fitted" in fitted.source
     for o in observations:  # the two it never saw too
         predicted = estimate_time(o.shape, o.workload, o.candidate, CPU, fitted).step_time
         assert predicted == pytest.approx(o.step_time, rel=0.01), o.name

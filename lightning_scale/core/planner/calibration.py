@@ -37,10 +37,11 @@ __all__ = ["CALIBRATION_ENV", "FITTED", "Observation", "calibrated", "calibratio
 CALIBRATION_ENV = "LIGHTNING_SCALE_CALIBRATION"
 """The JSON file calibrations are stored in (default ``~/.cache/lightning_scale/calibration.json``)."""
 
-FITTED = ("compute", "overhead", "collective_overhead")
-"""What :func:`fit_efficiency` fits by default: few runs pin three factors, and these three set a small
-model's step time on any system (the rate of its matmuls, its fixed cost per block, the cost of each
-collective DTensor and FSDP issue); ``--fit`` adds the links' bandwidth and latency for large ones."""
+FITTED = ("compute", "overhead", "intra_link")
+"""What :func:`fit_efficiency` fits by default: few runs pin three factors, and these three set a step's
+time on any system (the rate of its matmuls, its fixed cost per block and micro-batch, the bytes/s its
+collectives achieve within a node); ``--fit`` adds others (``latency``, ``collective_overhead``,
+``dp_overlap``, ``inter_link``, ...) when the runs vary them."""
 
 _GRIDS: dict[str, Sequence[float]] = {
     "compute": [0.05 * 1.25**k for k in range(20)],  # 0.05 .. 3.5 (a CPU's measured peak may be beaten)
