@@ -121,7 +121,9 @@ class Efficiency:
     source: str = "defaults (not calibrated)"
 
     def link(self, cluster: Cluster, link: Link) -> float:
-        return link.bandwidth * (self.intra_link if link is cluster.intra else self.inter_link)
+        """Achieved bytes/s per device of ``link``; a CPU's collectives copy on the cores its processes
+        share, so they slow down with the matmuls (the device's ``slowdown``)."""
+        return link.bandwidth * (self.intra_link if link is cluster.intra else self.inter_link) / cluster.device.slowdown
 
 
 A100_MEGATRON = Efficiency(

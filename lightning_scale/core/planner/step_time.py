@@ -29,7 +29,8 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
 
 A ring collective over ``n`` devices moves ``2 (n - 1) / n`` times the buffer per device for an
 all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each
-(the link's latency times :attr:`Efficiency.latency` and the device's ``slowdown``).
+(the link's latency times :attr:`Efficiency.latency`; on a CPU both the bytes and the latency slow down
+with the device's ``slowdown``).
 """
 
 from __future__ import annotations
