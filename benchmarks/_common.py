@@ -16,7 +16,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 
-__all__ = ["RESULTS", "StepTimer", "emit", "join_process_group", "model_arguments", "run_workers", "timed"]
+__all__ = [
+    "RESULTS",
+    "BatchEndGaps",
+    "HookTime",
+    "StepTimer",
+    "emit",
+    "fit_arguments",
+    "fit_report",
+    "join_process_group",
+    "model_arguments",
+    "run_workers",
+    "timed",
+]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,12 +51,99 @@ class StepTimer(Callback):
             self.first_loss = float(loss)
 
 
+class BatchEndGaps(Callback):
+    """Seconds between consecutive ``on_train_batch_end`` calls (put it last in the callback list: a step is
+    then every callback's hooks, the logging steps' collectives included)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+
+    def steps(self, warmup: int) -> list[float]:
+        """The gaps, the first ``warmup`` dropped."""
+        return [b - a for a, b in zip(self.ends, self.ends[1:])][warmup:]
+
+
+STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+              "on_before_optimizer_step", "on_before_zero_grad")  # fmt: skip
+START_HOOKS = ("setup", "on_fit_start", "on_train_start")
+
+
+class HookTime:
+    """Seconds spent inside instrumented callback methods: the per-step hooks (``seconds``) and, apart,
+    the once-per-fit start (``start_seconds``: FLOP counting, the CPU peak's measurement, host names)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.start_seconds = 0.0
+
+    def instrument(self, callback: Callback) -> Callback:
+        for name in (*STEP_HOOKS, *START_HOOKS):
+            method = getattr(callback, name)
+            per_step = name in STEP_HOOKS
+
+            def timed(*args: Any, _method: Any = method, _per_step: bool = per_step, **kwargs: Any) -> Any:
+                begin = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    spent = time.perf_counter() - begin
+                    if _per_step:
+                        self.seconds += spent
+                    else:
+                        self.start_seconds += spent
+
+            setattr(callback, name, timed)
+        return callback
+
+
 def model_arguments(parser: argparse.ArgumentParser) -> None:
     """The GPT shape every benchmark here takes: --layers, --d-model, --heads, --seq."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+
+
+def fit_arguments(
+    doc: str,
+    name: str,
+    *,
+    rounds: int,
+    steps: int = 200,
+    steps_help: str = "optimizer steps per fit",
+    extra: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> argparse.Namespace:
+    """The command line of a benchmark that fits a GPT preset on two processes, variant after variant, in
+    rounds: --preset, --batch, --seq, --steps, --warmup, --rounds, --threads, --out (default
+    ``results/<name>.json``), and what ``extra`` adds."""
+    from lightning_scale.models import PRESETS
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: the steadiest timings)")
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    if args.steps <= args.warmup + 1:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")
+    return args
+
+
+def fit_report(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """The first fields of such a benchmark's report: what was fitted, how often, on how many processes."""
+    return {
+        "model": args.preset, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+        "threads": args.threads, "processes": world, "strategy": f"HybridParallelStrategy(data_parallel={world})",
+    }  # fmt: skip
 
 
 def timed(fn: Callable[[], Any], steps: int) -> list[float]:

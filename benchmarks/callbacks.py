@@ -7,7 +7,7 @@ and against Lightning's ThroughputMonitor, under the package's strategy at dp=2.
 Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT on the bundled corpus,
 ``MixedPrecision("32-true")`` and gradient clipping at 1.0 (as the command line runs) in every variant,
 Lightning's default ``log_every_n_steps=50``:
-- none: no callbacks (the strategy's own preemption callback in every variant);
+- none: no callbacks (the strategy's own preemption callback and hang watchdog in every variant);
 - ours: every callback of ``conf/callbacks/default.yaml`` but the checkpoint one, as the command line
   instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers);
 - lightning: Lightning's ``ThroughputMonitor`` alone (with ``batch_size_fn`` and ``length_fn``).
@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from _common import RESULTS, emit, join_process_group, run_workers
+from _common import BatchEndGaps, HookTime, emit, fit_arguments, fit_report, join_process_group, run_workers
 
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import PRESETS, GPTLightningModule
@@ -46,49 +44,6 @@ from lightning_scale.strategies import HybridParallelStrategy
 
 WORLD = 2
 VARIANTS = ("none", "ours", "lightning")
-
-
-class _Gaps(Callback):
-    """Seconds between consecutive ``on_train_batch_end`` calls (last in the callback list)."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
-
-
-_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-               "on_before_optimizer_step", "on_before_zero_grad")  # fmt: skip
-_START_HOOKS = ("setup", "on_fit_start", "on_train_start")
-
-
-class _HookTime:
-    """Seconds spent inside instrumented callback methods: the per-step hooks (``seconds``) and, apart,
-    the once-per-fit start (``start_seconds``: FLOP counting, the CPU peak's measurement, host names)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.start_seconds = 0.0
-
-    def instrument(self, callback: Callback) -> Callback:
-        for name in (*_STEP_HOOKS, *_START_HOOKS):
-            method = getattr(callback, name)
-            per_step = name in _STEP_HOOKS
-
-            def timed(*args: Any, _method: Any = method, _per_step: bool = per_step, **kwargs: Any) -> Any:
-                begin = time.perf_counter()
-                try:
-                    return _method(*args, **kwargs)
-                finally:
-                    spent = time.perf_counter() - begin
-                    if _per_step:
-                        self.seconds += spent
-                    else:
-                        self.start_seconds += spent
-
-            setattr(callback, name, timed)
-        return callback
 
 
 def _default_callbacks() -> list[Callback]:
@@ -104,7 +59,7 @@ def _default_callbacks() -> list[Callback]:
     return [instantiate(node, _convert_="all") for node in nodes.values()]
 
 
-def _callbacks(variant: str, hooks: _HookTime) -> list[Callback]:
+def _callbacks(variant: str, hooks: HookTime) -> list[Callback]:
     if variant == "ours":
         callbacks = _default_callbacks()
         for callback in callbacks:
@@ -120,7 +75,7 @@ def _fit(variant: str, args: argparse.Namespace) -> tuple[float, float, float]:
     """Mean seconds per step after the warm-up, the per-step hooks' seconds per step (whole fit) and the
     start hooks' seconds, on this rank."""
     seed_everything(0, verbose=False)
-    gaps, hooks = _Gaps(), _HookTime()
+    gaps, hooks = BatchEndGaps(), HookTime()
     trainer = Trainer(
         accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD), max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -129,7 +84,7 @@ def _fit(variant: str, args: argparse.Namespace) -> tuple[float, float, float]:
     )  # fmt: skip
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
-    steps = [b - a for a, b in zip(gaps.ends, gaps.ends[1:])][args.warmup:]
+    steps = gaps.steps(args.warmup)
     return sum(steps) / len(steps), hooks.seconds / args.steps, hooks.start_seconds
 
 
@@ -151,31 +106,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per fit (4 logging steps at 200)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: the steadiest timings)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "callbacks.json")
-    args = parser.parse_args()
-    if args.steps <= args.warmup + 1:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1")
+    args = fit_arguments(__doc__, "callbacks", rounds=5, steps_help="optimizer steps per fit (4 logging steps at 200)")
     means, hook_s, start_s = run_workers(_worker, WORLD, args)
     hooks = {v: statistics.median(hook_s[v]) for v in ("ours", "lightning")}
     step = {v: statistics.median(means[v]) for v in VARIANTS}
     ratio = {v: statistics.median(o / b for o, b in zip(means["ours"], means[v])) for v in ("none", "lightning")}
     report = {
-        "model": args.preset,
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "threads": args.threads,
-        "processes": WORLD,
-        "strategy": f"HybridParallelStrategy(data_parallel={WORLD})",
+        **fit_report(args, WORLD),
         "log_every_n_steps": 50,
         "step_s": step,
         "overhead_fraction": ratio["none"] - 1,

@@ -121,6 +121,18 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> None:
+    report = _bench(
+        "resilience", "resilience.py", "--steps", "12", "--warmup", "2", "--rounds", "2", "--block", "2", "--seq", "16",
+        "--batch", "4", out=tmp_path / "resilience.json",
+    )  # fmt: skip
+    assert set(report["step_s"]) == {"off", "on"} and min(report["step_s"].values()) > 0
+    # 12 steps in blocks of 2, the first 2 and each block's first dropped: 5 blocks a fit, alternating, 4 pairs.
+    assert report["block_pairs"] == 8 and isinstance(report["overhead_fraction"], float)
+    assert 0 < report["hook_s_per_step"] < report["step_s"]["off"]  # the heartbeats were timed, and are a part of a step
+
+
+@pytest.mark.slow
 def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: benchmarks/gpu_check.py measures it (see the note of the session)")

@@ -1,7 +1,7 @@
 """Canaries for every private torch and Lightning API the package uses.
 
-Each entry of ``lightning_scale.core.compat.SHIMS`` (torch's) and ``lightning_scale._lightning_compat.SHIMS``
-(Lightning's) has a canary here of the same name that checks its targets are still there, with the
+Each entry of ``lightning_scale.core.compat.SHIMS`` and ``lightning_scale.core.compat_c10d.SHIMS`` (torch's) and
+``lightning_scale._lightning_compat.SHIMS`` (Lightning's) has a canary here of the same name that checks its targets are still there, with the
 shape the shims rely on (attributes, signatures, enum members, the layouts of files), against the
 release it was written against. After an upgrade, the canary of each API that changed fails, naming
 it. The canaries justify the upper bounds on torch and lightning in ``pyproject.toml``.
@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import inspect
 import io
+import json
 import pickle
 import pickletools
 import re
@@ -39,11 +40,12 @@ from torch import nn
 
 from lightning_scale import _lightning_compat as lc
 from lightning_scale.core import compat as tc
+from lightning_scale.core import compat_c10d as c10d
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lightning_scale"
-COMPAT_MODULES = (tc, lc)
-SHIMS: dict[str, tc.Shim] = {**tc.SHIMS, **lc.SHIMS}
+COMPAT_MODULES = (tc, c10d, lc)
+SHIMS: dict[str, tc.Shim] = {**tc.SHIMS, **c10d.SHIMS, **lc.SHIMS}
 
 
 # ---------------------------------------------------------------- resolving targets
@@ -301,6 +303,32 @@ def canary_memory_tracker() -> None:
     with tracker:
         kept = torch.ones(1024)  # 4 KiB of live tensor storage, counted at its peak
     assert sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()) >= kept.numel() * 4
+
+
+def canary_default_store() -> None:
+    present("default_store")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a group this process already has: its store is what the shim must give
+        assert isinstance(c10d.default_store(), dist.Store)
+        return
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found, keys = c10d.default_store(), store.num_keys()
+        found.set("lightning_scale/canary", "1")  # a key of the group's own store (under the group's prefix)
+        assert isinstance(found, dist.Store) and found.check(["lightning_scale/canary"]) and store.num_keys() == keys + 1
+    finally:
+        dist.destroy_process_group()
+
+
+def canary_flight_recorder_json() -> None:
+    present("flight_recorder_json")
+    parsed = json.loads(c10d.flight_recorder_json(nccl=False))
+    # "entries" too once a collective was recorded (tests/test_hang.py reads a recorded trace's pg_status).
+    assert {"pg_status", "version"} <= set(parsed) and isinstance(parsed["pg_status"], dict), sorted(parsed)
+    if torch.distributed.is_nccl_available():  # CUDA builds: the NCCL recorder's dump too
+        assert isinstance(c10d.flight_recorder_json(nccl=True), bytes)
 
 
 def _module_table(entry: str, shim: Callable[[nn.Module], dict], public: str) -> None:
@@ -677,7 +705,7 @@ def test_canary(name: str) -> None:
 
 
 def test_every_shim_has_a_canary_and_every_canary_a_shim() -> None:
-    assert not set(tc.SHIMS) & set(lc.SHIMS)
+    assert not set(tc.SHIMS) & set(lc.SHIMS) and not set(c10d.SHIMS) & (set(tc.SHIMS) | set(lc.SHIMS))
     assert set(CANARIES) == set(SHIMS)
 
 

@@ -49,6 +49,7 @@ def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
 
 CORE_MAY_IMPORT = {
     "compat": set(),
+    "compat_c10d": {"compat"},
     "checks": {"compat"},
     "lr_schedule": {"compat"},
     "parallel": {"compat", "checks"},
@@ -57,6 +58,7 @@ CORE_MAY_IMPORT = {
     "precision": {"compat", "checks", "parallel"},
     "telemetry": {"compat", "checks", "parallel"},
     "planner": {"compat", "checks", "parallel", "pipeline", "telemetry"},
+    "resilience": {"compat", "compat_c10d", "checks"},
 }
 """What each part of ``core`` may import from the rest of it (its own modules aside); the docstring of
 ``lightning_scale/core/__init__.py`` says the same. ``compat`` (torch's private APIs, one shim each) is a

@@ -1,7 +1,7 @@
-"""No private torch or Lightning API is used outside the two compat modules.
+"""No private torch or Lightning API is used outside the compat modules.
 
-``lightning_scale/core/compat.py`` (torch's) and ``lightning_scale/_lightning_compat.py`` (Lightning's)
-hold every private API the package uses, each behind a shim with a canary in ``tests/test_compat.py``.
+``lightning_scale/core/compat.py`` and ``lightning_scale/core/compat_c10d.py`` (torch's: c10d's for the hang
+watchdog in the second) and ``lightning_scale/_lightning_compat.py`` (Lightning's) hold every private API the package uses, each behind a shim with a canary in ``tests/test_compat.py``.
 This scans the package's source for private uses anywhere else (imports of private names and modules,
 ``x._name`` and ``getattr(x, "_name")`` on library objects, ``self._name`` inherited from a library
 class), so that a new one has to get a shim and a canary to pass.
@@ -20,16 +20,17 @@ from pathlib import Path
 
 from lightning_scale import _lightning_compat as lc
 from lightning_scale.core import compat as tc
+from lightning_scale.core import compat_c10d as c10d
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "lightning_scale"
-SHIMS = {**tc.SHIMS, **lc.SHIMS}
+SHIMS = {**tc.SHIMS, **c10d.SHIMS, **lc.SHIMS}
 
 LIBRARIES = {
     "torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "torchmetrics", "hydra",
     "omegaconf", "fsspec", "transformers", "wandb", "deepspeed", "submitit",
 }  # fmt: skip
-COMPAT_FILES = {PKG / "core" / "compat.py", PKG / "_lightning_compat.py"}
+COMPAT_FILES = {PKG / "core" / "compat.py", PKG / "core" / "compat_c10d.py", PKG / "_lightning_compat.py"}
 
 OWN_MARKERS = {"_timed", "_residual_output"}
 """Private attributes the package sets on objects it does not own (a wrapped method, a layer) and reads back."""
@@ -161,7 +162,8 @@ def _all_private_uses() -> list[tuple[Path, int, str, str]]:
 def test_no_private_api_outside_the_compat_modules() -> None:
     bad = [f"{p.relative_to(ROOT)}:{line}: {what}" for p, line, _, what in _all_private_uses()]
     assert not bad, (
-        "private torch/Lightning APIs used outside lightning_scale/core/compat.py and lightning_scale/_lightning_compat.py; "
+        "private torch/Lightning APIs used outside lightning_scale/core/compat.py, core/compat_c10d.py and "
+        "lightning_scale/_lightning_compat.py; "
         "add a shim (with a canary in tests/test_compat.py) or use a public API:\n" + "\n".join(bad)
     )
 

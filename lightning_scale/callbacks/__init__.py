@@ -4,6 +4,7 @@ from lightning_scale.callbacks.checkpoint_advisor import CheckpointIntervalAdvis
 from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.callbacks.cost import CostMonitor
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
+from lightning_scale.callbacks.hang_watchdog import HangWatchdog
 from lightning_scale.callbacks.health import NumericalHealth
 from lightning_scale.callbacks.memory import MemoryMonitor
 from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
@@ -16,6 +17,7 @@ __all__ = [
     "ConsoleLogger",
     "CostMonitor",
     "GradNormMonitor",
+    "HangWatchdog",
     "MemoryMonitor",
     "NumericalHealth",
     "Preempted",

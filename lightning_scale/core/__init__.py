@@ -7,6 +7,7 @@ exists anywhere in ``lightning_scale``):
 
 - :mod:`~lightning_scale.core.compat` (every private torch API the package uses, one shim each,
   checked by a canary in ``tests/test_compat.py``): nothing; every other part may import it;
+  :mod:`~lightning_scale.core.compat_c10d` (the same for c10d's store and flight recorder): ``compat``;
 - :mod:`~lightning_scale.core.checks` (validators that name the rule and the fix) and
   :mod:`~lightning_scale.core.lr_schedule` (the learning-rate schedule): ``compat``;
 - :mod:`~lightning_scale.core.parallel` (the mesh layout, tensor and data parallelism, per-block
@@ -17,7 +18,9 @@ exists anywhere in ``lightning_scale``):
   scaling, gradient norms over meshes) and :mod:`~lightning_scale.core.telemetry` (FLOPs, model
   facts, peaks, prices, numerical health): ``compat``, ``checks`` and ``parallel``, never each other;
 - :mod:`~lightning_scale.core.planner` (memory, step time and cost of every layout before a run): any
-  of the parts above but ``checkpoint`` and ``precision``.
+  of the parts above but ``checkpoint`` and ``precision``;
+- :mod:`~lightning_scale.core.resilience` (the hang watchdog and its report): ``compat``, ``compat_c10d``
+  and ``checks``.
 """
 
 from lightning_scale.core.checks import divisors, format_choices, suggest_multiples

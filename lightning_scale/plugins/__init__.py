@@ -1,7 +1,10 @@
 """Lightning plugins: precision (fp16 loss scaling decided once for the whole mesh, bf16 at every layout) and
-sharded checkpoints (every rank writes its own part; atomic, verified, resharding)."""
+sharded checkpoints (every rank writes its own part; atomic, verified, resharding); the exit statuses a
+relaunch reads: :data:`PREEMPTION_EXIT_CODE` (143, a checkpoint was committed on SIGTERM/SIGUSR1) and
+:data:`HANG_EXIT_CODE` (75, a training step stalled: :class:`HangWatchdog` wrote every rank's stacks)."""
 
 from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedCheckpointIO
+from lightning_scale.plugins.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from lightning_scale.plugins.precision import MixedPrecision
 
-__all__ = ["PREEMPTION_EXIT_CODE", "MixedPrecision", "ShardedCheckpointIO"]
+__all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "HangWatchdog", "MixedPrecision", "ShardedCheckpointIO"]

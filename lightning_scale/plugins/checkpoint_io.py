@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
+# The other status a relaunch reads: HANG_EXIT_CODE = 75 (plugins.hang_watchdog: a training step stalled).
 _AUTO_RESUME = (True, False, "on_restart")
 
 

@@ -84,7 +84,12 @@ def _server_threads() -> int:
 
 
 class DistributedTestError(AssertionError):
-    """A rank failed or the group hung; the message holds every rank's traceback or stack."""
+    """A rank failed or the group hung; the message holds every rank's traceback or stack, ``exit_codes``
+    each process's exit status when the harness gave up (None: still running, then killed)."""
+
+    def __init__(self, message: str, exit_codes: dict[int, int | None] | None = None) -> None:
+        super().__init__(message)
+        self.exit_codes = dict(exit_codes or {})
 
 
 def _worker(
@@ -203,9 +208,9 @@ def run_distributed(
                 code = exit_codes[rank]
                 state = "hung" if code is None else f"exited with code {code}"
                 lines.append(f"--- rank {rank} did not finish ({state}); its stack:\n{stacks.get(rank, '(none)')}")
-        if len(outcome) < world_size and not failures:
+        if len(outcome) < world_size and not failures and None in exit_codes.values():
             lines.insert(1, f"timed out after {timeout:.0f} s")
-        raise DistributedTestError("\n".join(lines))
+        raise DistributedTestError("\n".join(lines), exit_codes)
     return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
 
 

@@ -1,7 +1,9 @@
 """A small training run for ``torchrun --max-restarts``: it checkpoints every two steps, resumes by
-itself when relaunched, journals every start, and saves its final state. Used by the kill test.
+itself when relaunched, journals every start, and saves its final state. Used by the kill test and the
+hang test (``--hang-at=STEP``: on the first launch, rank 1 stalls at that step's start; the hang watchdog,
+limited to 3 s a step, ends both ranks with HANG_EXIT_CODE and the relaunch resumes).
 
-    torchrun --standalone --nproc-per-node 2 --max-restarts 12 tests/scripts/elastic_run.py OUT LAYOUT STEPS [--no-checkpoints]
+    torchrun --standalone --nproc-per-node 2 --max-restarts 12 tests/scripts/elastic_run.py OUT LAYOUT STEPS [--no-checkpoints] [--hang-at=STEP]
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +56,34 @@ class Journal(Callback):
         (self.out / "pids" / f"{record['restart']}-{record['rank']}").write_text(str(os.getpid()))
 
 
-def main(out: Path, layout: str, steps: int, checkpoints: bool = True) -> None:
+class StallOnce(Callback):
+    """Rank 1 of the first launch sleeps at the start of step ``step`` (inside the watchdog's clock, which
+    starts first), while rank 0 goes on into the step's gradient all-reduce."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_launch and trainer.global_rank == 1 and trainer.global_step == self.step:
+            time.sleep(600)
+
+
+def main(out: Path, layout: str, steps: int, checkpoints: bool = True, hang_at: int | None = None) -> None:
     seed_everything(0, verbose=False)
+    hang = {"hang_timeout": {"floor_s": 3.0, "warmup_s": 120.0}} if hang_at is not None else {}
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy=HybridParallelStrategy(**LAYOUTS[layout], checkpoint_io=ShardedCheckpointIO(keep_last=3)),
+        strategy=HybridParallelStrategy(**LAYOUTS[layout], checkpoint_io=ShardedCheckpointIO(keep_last=3), **hang),
+        default_root_dir=out,
         max_steps=steps,
         limit_val_batches=0,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Journal(out)]
+        + ([StallOnce(hang_at)] if hang_at is not None else [])
         + ([ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []),
     )
     config = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
@@ -75,4 +94,6 @@ def main(out: Path, layout: str, steps: int, checkpoints: bool = True) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), checkpoints=sys.argv[4:] != ["--no-checkpoints"])
+    flags = sys.argv[4:]
+    hang_at = next((int(f.split("=", 1)[1]) for f in flags if f.startswith("--hang-at=")), None)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), checkpoints="--no-checkpoints" not in flags, hang_at=hang_at)

@@ -15,6 +15,7 @@ from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
 from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.parallel.layout import Layout, check_size
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
+from lightning_scale.core.resilience.watchdog import hang_timeout_policy
 
 __all__ = ["LOSS_STAGES", "PARTITIONS", "PLANNED", "PRESETS", "ParallelOptions", "loss_names"]
 
@@ -52,6 +53,7 @@ _NON_STRUCTURAL = frozenset(
         "static_graph",
         "bucket_cap_mb",
         "gradient_as_bucket_view",
+        "hang_timeout",
     }
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
@@ -166,6 +168,10 @@ class ParallelOptions:
     """Passed to ``DistributedDataParallel`` (``None``: DDP's 25)."""
     gradient_as_bucket_view: bool = False
     """Passed to ``DistributedDataParallel``."""
+    hang_timeout: Any = "auto"
+    """The hang watchdog (:class:`~lightning_scale.plugins.HangWatchdog`, added to every ``fit``): ``"auto"`` (a step
+    is a hang past max(120 s, 10x the recent median step), 600 s for the first 3), seconds, a mapping of
+    :class:`~lightning_scale.core.resilience.HangTimeout`'s fields, or ``0``/``False`` (off)."""
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     @classmethod
@@ -237,8 +243,9 @@ class ParallelOptions:
                 )
         for name in ("sequence_parallel", "loss_parallel", "compile"):
             object.__setattr__(self, name, bool(getattr(self, name)))
-        if isinstance(self.loss_name, Mapping):
-            object.__setattr__(self, "loss_name", dict(self.loss_name))
+        for name in ("loss_name", "hang_timeout"):  # a YAML config's mapping as a plain dict
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, dict(getattr(self, name)))
         object.__setattr__(self, "_loss_names", loss_names(self.loss_name))
         for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
             if not isinstance(getattr(self, name), bool):
@@ -281,6 +288,7 @@ class ParallelOptions:
                     )
         check_positive_int("powersgd_rank", self.powersgd_rank)
         check_positive_int("powersgd_start_iter", self.powersgd_start_iter)
+        hang_timeout_policy(self.hang_timeout)  # ValueError naming the value and what to pass
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "

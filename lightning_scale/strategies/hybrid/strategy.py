@@ -32,9 +32,8 @@ from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_norm
 from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.plugins import HangWatchdog, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins._stock import as_mesh_precision
-from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO
-from lightning_scale.plugins.precision import MixedPrecision
 from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
@@ -228,6 +227,7 @@ class HybridParallelStrategy(ParallelStrategy):
             self.optimizers, self.lr_scheduler_configs = [], []  # the setter empties the LightningOptimizers too
             self.setup_optimizers(trainer)
             self._checkpoints.add_preemption_checkpoint(trainer, self.checkpoint_io)
+            HangWatchdog.add_to(trainer, self.options.hang_timeout)  # first in the list; off with hang_timeout=0
         self.setup_precision_plugin()
 
     def _parallelize(self, module: LightningModule) -> None:

@@ -1,0 +1,133 @@
+"""What the hang watchdog costs a training step: ``HybridParallelStrategy``'s watchdog on (the default,
+``hang_timeout="auto"``) against off, alternating within the same run, on two processes.
+
+    python benchmarks/resilience.py                      # tiny GPT, 400 steps a fit, blocks of 10, 3 rounds
+    python benchmarks/resilience.py --steps 60 --rounds 1
+
+Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT on the bundled corpus,
+gradient clipping at 1.0, no other callback. Within each fit the watchdog is switched on and off every
+``--block`` steps (on: its thread runs and the training loop beats its heart; off: neither), both ranks
+alike; the order alternates between rounds. A step's time is the gap between two ``on_train_batch_end``
+calls on rank 0; the first ``--warmup`` steps of a fit and the first step of every block (which pays the
+thread's start or stop, once per fit in real use) are dropped. ``overhead_fraction`` is the median over
+pairs of adjacent blocks of ``on / off - 1`` (target <= 0.005; the bound is no overhead): alternating
+every few steps keeps the comparison inside one run, where a shared VM's drift between fits (several
+per cent) would swamp it. ``overhead_of_means`` compares all the on steps with all the off ones, and
+``hook_fraction`` is the heartbeats' own time (the hooks timed directly) over the off step.
+
+Prints ``BENCH resilience {json}`` last and writes benchmarks/results/resilience.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+
+from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, run_workers
+
+from lightning_scale.data import TextDataModule
+from lightning_scale.models import PRESETS, GPTLightningModule
+from lightning_scale.plugins import HangWatchdog
+from lightning_scale.strategies import HybridParallelStrategy
+
+WORLD = 2
+
+
+class _Blocks(Callback):
+    """Last in the callback list: each step's time into its block, and the watchdog switched at the blocks' ends."""
+
+    def __init__(self, watchdog: HangWatchdog, hooks: HookTime, block: int, warmup: int, on_first: bool) -> None:
+        self.watchdog, self.hooks, self.block, self.warmup, self.on = watchdog, hooks, block, warmup, on_first
+        self.blocks: list[tuple[bool, list[float]]] = []
+        self.hook_s_on = 0.0  # the heartbeats' seconds in the steps run with the watchdog on
+        self.steps_on = 0
+        self._last: float | None = None
+        self._steps = 0
+        self._new_block = True
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.on:
+            self.watchdog.on_train_end(trainer, pl_module)  # started by its own on_train_start: off first
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        first_of_block = self._steps % self.block == 0  # it may pay for the switch before it
+        if self._last is not None and self._steps >= self.warmup and not first_of_block:
+            if self._new_block:
+                self.blocks.append((self.on, []))
+                self._new_block = False
+            self.blocks[-1][1].append(now - self._last)
+        self._steps += 1
+        self.steps_on += self.on
+        if self.on:
+            self.hook_s_on += self.hooks.seconds
+        self.hooks.seconds = 0.0
+        if self._steps % self.block == 0:  # the block's last step: switch for the next
+            self.on, self._new_block = not self.on, True
+            if self.on:
+                self.watchdog.on_train_start(trainer, pl_module)
+            else:
+                self.watchdog.on_train_end(trainer, pl_module)
+        self._last = time.perf_counter()
+
+
+def _fit(args: argparse.Namespace, on_first: bool) -> tuple[list[tuple[bool, list[float]]], float, int]:
+    """The fit's blocks (on?, step times), the heartbeats' seconds and the number of steps run with the watchdog on,
+    on this rank."""
+    seed_everything(0, verbose=False)
+    hooks = HookTime()
+    watchdog = hooks.instrument(HangWatchdog("auto"))
+    blocks = _Blocks(watchdog, hooks, args.block, args.warmup, on_first)  # type: ignore[arg-type]
+    trainer = Trainer(
+        accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD, hang_timeout=0),
+        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[watchdog, blocks],
+    )  # fmt: skip
+    module = GPTLightningModule(PRESETS[args.preset])
+    trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
+    return blocks.blocks, blocks.hook_s_on, blocks.steps_on
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    join_process_group(rank, world, port)
+    torch.set_num_threads(args.threads)
+    fits = [_fit(args, on_first=r % 2 == 0) for r in range(args.rounds)]
+    if rank == 0:
+        queue.put(fits)
+
+
+def main() -> None:
+    args = fit_arguments(
+        __doc__, "resilience", rounds=3, steps=400,
+        extra=lambda p: p.add_argument("--block", type=int, default=10, help="steps between two switches"),
+    )  # fmt: skip
+    fits = run_workers(_worker, WORLD, args)
+    pairs, times = [], {True: [], False: []}
+    for blocks, _, _ in fits:
+        means = [(on, statistics.mean(t)) for on, t in blocks if t]
+        for on, t in blocks:
+            times[on] += t
+        pairs += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means, means[1:]) if a[0] != b[0]]
+    step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
+    hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with the watchdog on
+    report = {
+        **fit_report(args, WORLD),
+        "block": args.block,
+        "hang_timeout": "auto",
+        "step_s": step,
+        "overhead_fraction": statistics.median(pairs),
+        "block_pairs": len(pairs),
+        "overhead_of_means": step["on"] / step["off"] - 1,
+        "hook_s_per_step": hook_s,
+        "hook_fraction": hook_s / step["off"],
+    }
+    emit("resilience", report, args.out)
+
+
+if __name__ == "__main__":
+    main()

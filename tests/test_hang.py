@@ -1,0 +1,255 @@
+"""The hang watchdog (issue 27): a stalled training step makes every rank write its stacks, a summary
+names the ranks that never reached the collective the others wait in, and every process exits with
+``HANG_EXIT_CODE``; a normal run never triggers it; a relaunch under torchrun resumes and completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.distributed import DistributedTestError, run_distributed
+from helpers.lightning import quiet_trainer
+from helpers.models import StackModule
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_scale.core.resilience.hang_report import laggards, summary_text
+from lightning_scale.core.resilience.watchdog import HangTimeout, StepWatchdog, hang_timeout_policy
+from lightning_scale.plugins import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE, HangWatchdog
+from lightning_scale.strategies import HybridParallelStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR_S = 3.0  # the multi-process tests' limit per step (their steps take milliseconds)
+STALL_AT = 4  # rank 1 stalls in this batch: past the warm-up steps
+
+
+# ---------------------------------------------------------------- the limit and the option
+
+
+def test_the_limit_is_a_multiple_of_the_recent_median_with_a_floor_and_a_warm_up_allowance() -> None:
+    policy = HangTimeout(floor_s=10.0, multiple=5.0, warmup_s=100.0, warmup_steps=2)
+    assert policy.limit(0, []) == 100.0  # the first steps: compilation, warm-up
+    assert policy.limit(2, []) == 10.0
+    assert policy.limit(5, [1.0, 3.0, 2.0]) == 10.0  # 5 x 2 s is the floor
+    assert policy.limit(5, [4.0, 3.0, 9.0]) == 20.0  # 5 x the median, 4 s
+    assert policy.limit(1, [40.0]) == 200.0  # the allowance is a minimum, not a cap
+    fixed = hang_timeout_policy(7)
+    assert fixed is not None and fixed.limit(0, []) == fixed.limit(9, [100.0]) == 7.0
+
+
+def test_hang_timeout_values_and_the_errors_that_name_the_fix() -> None:
+    assert hang_timeout_policy("auto") == hang_timeout_policy(None) == hang_timeout_policy(True) == HangTimeout()
+    assert hang_timeout_policy(0) is None and hang_timeout_policy(False) is None
+    assert hang_timeout_policy({"floor_s": 3, "multiple": 2}) == HangTimeout(floor_s=3, multiple=2)
+    assert HangTimeout().floor_s == 120.0 and HangTimeout().warmup_s == 600.0
+    fix = r"Pass 'auto' .* or 0/False to turn the watchdog off"
+    for bad, rule in [
+        (-5, r"hang_timeout=-5 must be a positive finite number of seconds"),
+        (float("inf"), r"hang_timeout=inf must be a positive finite number"),
+        ("soon", r"hang_timeout='soon' is not a timeout"),
+        ({"floor": 3}, r"has unknown keys \['floor'\]"),
+        ({"floor_s": 0}, r"floor_s=0 must be a positive number of seconds"),
+        ({"multiple": -1}, r"multiple=-1 must be a finite number of 0 or more"),
+        ({"warmup_steps": 1.5}, r"warmup_steps=1.5 must be an integer of 0 or more"),
+    ]:
+        with pytest.raises(ValueError, match=f"{rule}.*{fix}"):
+            hang_timeout_policy(bad)
+    # The strategy checks it when built, before any process starts.
+    with pytest.raises(ValueError, match=r"hang_timeout='soon' is not a timeout"):
+        HybridParallelStrategy(hang_timeout="soon")
+    with pytest.raises(ValueError, match=r"hang_timeout=-1 must be a positive finite number of seconds"):
+        HangWatchdog(-1)
+    assert HybridParallelStrategy(hang_timeout=0).options.hang_timeout == 0
+    assert HANG_EXIT_CODE == 75 and HANG_EXIT_CODE != PREEMPTION_EXIT_CODE
+
+
+# ---------------------------------------------------------------- the summary
+
+
+def _record(batch: int, phase: str, **extra: Any) -> dict[str, Any]:
+    return {"batch": batch, "global_step": batch - 1, "phase": phase, "phase_s": 4.0, "host": "h", "pid": 1} | extra
+
+
+def test_the_laggards_are_the_ranks_behind_the_others_or_without_a_record() -> None:
+    records = {0: _record(5, "backward"), 1: _record(5, "forward"), 2: _record(5, "backward")}
+    behind = laggards(records, 4)
+    assert sorted(behind) == [1, 3]
+    assert "forward of batch 5 (global step 4)" in behind[1] and "rank(s) 0, 2 reached backward" in behind[1]
+    assert "wrote no record" in behind[3]
+    # The flight recorder's sequence numbers name a rank that never enqueued the collective the others wait in,
+    # even where the heartbeats agree (FSDP's all-gathers run in the forward).
+    same = {0: _record(5, "forward", collectives={"0": 13}), 1: _record(5, "forward", collectives={"0": 12})}
+    assert laggards(same, 2) == {1: "enqueued collective #12 of process group 0 last; rank(s) 0 wait in #13"}
+    # A rank between steps is ahead of one still in that step's optimizer step, behind one in the next batch.
+    assert sorted(laggards({0: _record(5, "between steps"), 1: _record(5, "optimizer step"), 2: _record(6, "forward")}, 3)) == [0, 1]
+    text = summary_text({0: _record(5, "backward"), 1: _record(5, "backward")}, 2, detected="rank 0", exit_code=75, directory="d")
+    assert "No rank is behind another" in text and "status 75" in text
+
+
+# ---------------------------------------------------------------- one process: the thread, the dump, the exit
+
+
+def _stall_here(event: threading.Event) -> None:
+    event.wait(30)  # the "training loop" of the single-process tests, stuck in its step
+
+
+def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_exits(tmp_path: Path) -> None:
+    exits: list[int] = []
+    watchdog = StepWatchdog(HangTimeout(floor_s=0.3, warmup_s=0.3), rank=0, world_size=1, directory=tmp_path / "hang",
+                            poll_s=0.05, exit=exits.append)  # fmt: skip
+    release = threading.Event()
+
+    def training_loop() -> None:
+        watchdog.step_started(global_step=0)
+        watchdog.entered("backward")
+        _stall_here(release)
+
+    loop = threading.Thread(target=training_loop, name="loop")
+    watchdog.start()
+    start = time.monotonic()
+    loop.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        release.set()
+        loop.join()
+        watchdog.stop()
+    assert exits == [HANG_EXIT_CODE] and time.monotonic() - start < 10
+    stacks = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert "(the training loop)" in stacks and "in _stall_here" in stacks and "lightning-scale-hang-watchdog" not in stacks
+    assert watchdog.record is not None and watchdog.record["phase"] == "backward"
+    assert watchdog.record["where"] is not None  # the innermost frame: threading's wait, inside _stall_here
+    assert "Hang detected by rank 0 (batch 0 ran" in (tmp_path / "hang" / "summary.txt").read_text()
+    (event,) = [json.loads(line) for line in (tmp_path / "hang" / "events.jsonl").read_text().splitlines()]
+    assert event["event"] == "hang" and event["exit_code"] == HANG_EXIT_CODE and event["laggards"] == []
+
+
+def test_ranks_meet_in_the_store_every_one_reports_and_one_summary_names_the_one_behind(tmp_path: Path) -> None:
+    store, exits = dist.HashStore(), {0: [], 1: []}
+    policy = HangTimeout(floor_s=0.5, warmup_s=0.5)
+    dogs = [
+        StepWatchdog(policy, rank=r, world_size=2, directory=tmp_path / "hang", store=store, namespace="t", poll_s=0.05,
+                     grace_s=10, exit=exits[r].append)  # fmt: skip
+        for r in (0, 1)
+    ]
+    dogs[0].step_started(3)
+    dogs[0].entered("backward")  # rank 0 waits in the gradient reduction rank 1 never reached
+    dogs[1].step_started(3)
+    now = time.monotonic()
+    # Rank 1's step is over its limit: it declares; rank 0, within its own, sees the declaration.
+    first = threading.Thread(target=dogs[1].check, args=(now + 1.0,))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not dogs[0].check(now + 0.1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.join()
+    assert exits == {0: [HANG_EXIT_CODE], 1: [HANG_EXIT_CODE]}
+    assert dogs[0].declared == dogs[1].declared and dogs[0].declared.startswith("rank 1 (batch 0 ran 1.0 s")
+    summary = (tmp_path / "hang" / "summary.txt").read_text()
+    assert "Ranks that never reached the point the others wait at: 1" in summary, summary
+    assert {p.name for p in (tmp_path / "hang").iterdir()} == {"rank0.txt", "rank1.txt", "summary.txt", "events.jsonl"}
+
+
+# ---------------------------------------------------------------- two processes under the strategy
+
+
+class _StallingModule(StackModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == STALL_AT and self.global_rank == 1:
+            _stall_rank_one(Path(self.trainer.default_root_dir))
+        return super().training_step(batch, batch_idx)
+
+
+def _stall_rank_one(root: Path) -> None:
+    (root / "stalled_at").write_text(repr(time.time()))
+    time.sleep(600)  # rank 0 meanwhile waits in this step's gradient all-reduce
+
+
+def _data() -> DataLoader:
+    tokens = torch.randint(0, 256, (64, 9), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def _fit_stalling(rank: int, world: int, root: str) -> None:
+    strategy = HybridParallelStrategy(data_parallel=world, hang_timeout={"floor_s": FLOOR_S, "warmup_s": 120})
+    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=10, default_root_dir=root)
+    trainer.fit(_StallingModule(), train_dataloaders=_data())
+
+
+def test_rank_one_stalls_in_a_step_both_ranks_write_stacks_the_summary_names_it_and_both_exit(tmp_path: Path) -> None:
+    # The CPU flight recorder on: the reports carry each rank's last collectives.
+    with pytest.raises(DistributedTestError) as failure:
+        run_distributed(_fit_stalling, 2, str(tmp_path), timeout=240, env={"TORCH_FR_BUFFER_SIZE": "200"})
+    assert failure.value.exit_codes == {0: HANG_EXIT_CODE, 1: HANG_EXIT_CODE}, failure.value
+    hang = tmp_path / "hang"
+    stalled_at = float((tmp_path / "stalled_at").read_text())
+    for rank in (0, 1):
+        written = (hang / f"rank{rank}.txt").stat().st_mtime
+        assert written - stalled_at < FLOOR_S + 30, (rank, written - stalled_at)
+    rank1 = (hang / "rank1.txt").read_text()
+    assert "in _stall_rank_one" in rank1 and "time.sleep(600)" in rank1  # the blocking frame, named
+    assert "flight recorder (CPU)" in rank1
+    summary = (hang / "summary.txt").read_text()
+    assert "Ranks that never reached the point the others wait at: 1\n" in summary, summary
+    assert f"rank 1: forward of batch {STALL_AT} (global step {STALL_AT})" in summary, summary
+    assert f"rank(s) 0 reached backward of batch {STALL_AT}" in summary, summary
+    (event,) = [json.loads(line) for line in (hang / "events.jsonl").read_text().splitlines()]
+    assert event["laggards"] == [1] and event["exit_code"] == HANG_EXIT_CODE
+    # Rank 0 enqueued the gradient all-reduce rank 1 never reached: the flight recorder says so too.
+    assert event["records"]["0"]["collectives"]["0"] == event["records"]["1"]["collectives"]["0"] + 1, event["records"]
+
+
+def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
+    found = {}
+    for timeout in ({"floor_s": FLOOR_S, "warmup_s": 120}, 0):
+        strategy = HybridParallelStrategy(data_parallel=world, hang_timeout=timeout)
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=12, default_root_dir=root)
+        trainer.fit(StackModule(), train_dataloaders=_data())
+        watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
+        found[str(timeout)] = {
+            "first": bool(watchdogs) and trainer.callbacks[0] is watchdogs[0],
+            "count": len(watchdogs),
+            "running": [t.name for t in threading.enumerate() if t.name == "lightning-scale-hang-watchdog"],
+            "step": trainer.global_step,
+        }
+    return found
+
+
+def test_a_normal_run_never_triggers_it_and_zero_turns_it_off(tmp_path: Path) -> None:
+    on, off = run_distributed(_fit_normally, 2, str(tmp_path), timeout=240)[1].values()
+    assert on == {"first": True, "count": 1, "running": [], "step": 12}  # added first, stopped after the fit
+    assert off == {"first": False, "count": 0, "running": [], "step": 12}
+    assert not (tmp_path / "hang").exists()
+
+
+# ---------------------------------------------------------------- torchrun relaunches, the run resumes
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_hang_relaunches_the_job_which_resumes_from_latest_and_completes(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--monitor-interval", "0.5", str(ROOT / "tests" / "scripts" / "elastic_run.py"), str(tmp_path), "dp2", "12",
+        f"--hang-at={STALL_AT + 1}",
+    ]  # fmt: skip
+    proc = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    journal = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    starts = {(r["restart"], r["rank"]): r for r in journal}
+    assert sorted(starts) == [(0, 0), (0, 1), (1, 0), (1, 1)], journal
+    assert {starts[(1, r)]["start_step"] for r in (0, 1)} == {4}, journal  # "latest": the step-4 checkpoint
+    assert all(starts[(1, r)]["resumed_step"] == 4 for r in (0, 1)), journal
+    assert "Ranks that never reached the point the others wait at: 1\n" in (tmp_path / "hang" / "summary.txt").read_text()
+    assert f"failed (exitcode: {HANG_EXIT_CODE})" in proc.stderr, proc.stderr[-3000:]  # torchrun's word on the first launch
+    assert (tmp_path / "final" / "manifest.json").is_file()  # the relaunch trained to the end and saved
