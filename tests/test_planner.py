@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.distributed import run_distributed
+from helpers.plan_cli import plan_cli
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner import Candidate, Cluster, Workload, cluster, estimate, model_shape, plan
@@ -203,24 +204,12 @@ def test_bad_input_is_refused_before_any_work() -> None:
 # ------------------------------------------------------------------------------------ lightning-scale-plan
 
 
-def _plan_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lightning_scale.cli import plan as plan_cli
-
-    GlobalHydra.instance().clear()
-    monkeypatch.setattr("sys.argv", ["lightning-scale-plan"])
-    status = plan_cli.main(list(args))
-    out = capsys.readouterr()
-    return status, out.out, out.err
-
-
 def test_the_plan_app_ranks_explains_and_writes_its_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = ["model=350m", "data.global_batch_size=64", "data.seq_len=1024", "precision=bf16", "cluster=a100-sxm-80",
            "cluster.nodes=2", "plan.token_budget=1e9", f"plan.out={tmp_path}"]  # fmt: skip
-    status, out, _ = _plan_cli(monkeypatch, capsys, *run)
+    status, out, _ = plan_cli(monkeypatch, capsys, *run)
     assert status == 0, out
     assert "on 16 x A100 SXM 80GB (2 node(s)), global batch 64 x 1024 tokens, bf16-mixed" in out
     doc = json.loads((tmp_path / "plan.json").read_text())
@@ -235,11 +224,11 @@ def test_the_plan_app_ranks_explains_and_writes_its_records(
         assert r["hours_to_budget"] == pytest.approx(1e9 / r["tokens_per_sec"] / 3600)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
-    status, out, _ = _plan_cli(monkeypatch, capsys, *run, "--explain", fitting[0]["layout"])
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "--explain", fitting[0]["layout"])
     assert status == 0
     for term in (*rows[0]["memory_terms"], *rows[0]["time_terms"], "inputs: microbatches="):
         assert term in out, term
-    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--explain", "dp3-tp5-pp7-mb1")
+    status, _, err = plan_cli(monkeypatch, capsys, *run, "--explain", "dp3-tp5-pp7-mb1")
     assert status == 2 and "no layout named 'dp3-tp5-pp7-mb1'; the best are: " in err
 
 
@@ -247,12 +236,12 @@ def test_the_plan_app_says_why_nothing_fits_and_refuses_bad_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The 7B model on one 24 GB L4: the optimizer state alone is 50 GiB.
-    status, out, _ = _plan_cli(monkeypatch, capsys, "model=7b", "cluster=l4-pcie", "cluster.devices_per_node=1",
+    status, out, _ = plan_cli(monkeypatch, capsys, "model=7b", "cluster=l4-pcie", "cluster.devices_per_node=1",
                                f"plan.out={tmp_path}")  # fmt: skip
     assert status == 0
     assert re.search(r"No layout fits in 19\.8 GiB per device \(22\.0 GiB less the 10% headroom\)\. The smallest found, \S+, needs [\d.]+ GiB, most of it "
                      r"optimizer \([\d.]+ GiB\); try fsdp", out), out  # fmt: skip
-    status, _, err = _plan_cli(monkeypatch, capsys, "cluster.name=h900", f"plan.out={tmp_path}")
+    status, _, err = plan_cli(monkeypatch, capsys, "cluster.name=h900", f"plan.out={tmp_path}")
     assert status == 2 and "lightning-scale-plan: error: Unknown cluster 'h900'" in err
 
 
@@ -290,13 +279,13 @@ def test_the_plan_app_sizes_a_model_for_a_budget(
 ) -> None:
     run = ["data.global_batch_size=512", "data.seq_len=2048", "precision=bf16", "cluster.nodes=8", "plan.top=1",
            f"plan.out={tmp_path}"]  # fmt: skip
-    status, out, _ = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24")
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24")
     assert status == 0, out
     sizing = json.loads((tmp_path / "plan.json").read_text())["sizing"]
     assert "compute-optimal for" in out and f"nearest preset model={sizing['preset']}" in out
     assert sizing["hours"] == 24 and sizing["fits"] and sizing["usd"] == pytest.approx(24 * 64 * 55.04 / 8)
     assert sizing["optimal_tokens"] * sizing["optimal_parameters"] * 6 == pytest.approx(sizing["budget_flops"])
-    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--law", "kaplan")
+    status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--law", "kaplan")
     assert status == 2 and "plan.law='kaplan' is not a law the planner knows" in err
-    status, _, err = _plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--budget-usd", "5")
+    status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--budget-usd", "5")
     assert status == 2 and "Give exactly one budget" in err

@@ -6,10 +6,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.plan_cli import plan_cli
 
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape
 from lightning_scale.core.planner.calibration import (
@@ -210,27 +215,10 @@ def test_the_planner_reads_a_hugging_face_models_shape_off_the_module() -> None:
 # ------------------------------------------------------------------------------------ end to end
 
 
-def _plan_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lightning_scale.cli import plan as plan_cli
-
-    GlobalHydra.instance().clear()
-    monkeypatch.setattr("sys.argv", ["lightning-scale-plan"])
-    status = plan_cli.main(list(args))
-    out = capsys.readouterr()
-    return status, out.out, out.err
-
-
 @pytest.mark.slow
 def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import os
-    import re
-    import subprocess
-    import sys
-
     run_dir, store = tmp_path / "runs" / "auto", tmp_path / "calibration.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_SCALE_CALIBRATION": str(store)}
     command = [sys.executable, "-m", "lightning_scale.cli.train", "strategy=auto", "trainer.max_steps=12",
@@ -261,11 +249,11 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     assert "## Planner: predicted and measured" in report and f"| {chosen.group(1)} | auto |" in report, report
 
     # Calibration learns from the run; a later plan of this machine uses it and says so.
-    status, text, err = _plan_main(monkeypatch, capsys, "calibrate", str(tmp_path / "runs"), "--store", str(store))
+    status, text, err = plan_cli(monkeypatch, capsys, "calibrate", str(tmp_path / "runs"), "--store", str(store))
     assert status == 0, err
     assert re.search(r"CPU \(.*\)\|gloo-loopback\|ethernet-10g: 1 run\(s\); calibrated on 1 measured run", text), text
     monkeypatch.setenv("LIGHTNING_SCALE_CALIBRATION", str(store))
-    status, text, err = _plan_main(monkeypatch, capsys, "cluster=cpu", "trainer.devices=2", f"plan.out={tmp_path}")
+    status, text, err = plan_cli(monkeypatch, capsys, "cluster=cpu", "trainer.devices=2", f"plan.out={tmp_path}")
     assert status == 0 and "efficiency: calibrated on 1 measured run(s) of cpu" in text, text + err
 
     # A crafted results.json beside it is refused by file and field; nothing in it runs.
@@ -273,5 +261,5 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     crafted.parent.mkdir()
     results["planner"]["inputs"]["shape"]["__reduce__"] = "os.system"
     crafted.write_text(json.dumps(results))
-    status, _, err = _plan_main(monkeypatch, capsys, "calibrate", str(crafted.parent), "--store", str(store))
+    status, _, err = plan_cli(monkeypatch, capsys, "calibrate", str(crafted.parent), "--store", str(store))
     assert status == 2 and re.search(r"crafted/results.json: planner.inputs.shape: unknown field\(s\) \['__reduce__'\]", err), err

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,14 +87,10 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] = FITTED, store: Path 
             before = estimate_time(o.shape, o.workload, o.candidate, system, peak=o.peak).step_time
             after = estimate_time(o.shape, o.workload, o.candidate, system, fitted, peak=o.peak).step_time
             lines.append(f"  {o.name:40s} {o.step_time:11.4f} {before:10.4f} {after:10.4f} {after / o.step_time - 1:+8.1%}")
-        factors = ", ".join(f"{f}={getattr(fitted, f):.4g}" for f in fit)
-        lines.append(f"  fitted: {factors}")
+        lines.append("  fitted: " + ", ".join(f"{f}={getattr(fitted, f):.4g}" for f in fit))
         if len(observations) < len(fit):
             lines.append(f"  note: {len(observations)} run(s) for {len(fit)} factors: the fit is not unique; add runs "
                          "that differ in layout.")  # fmt: skip
-        rms = math.sqrt(sum(math.log(estimate_time(o.shape, o.workload, o.candidate, system, fitted, peak=o.peak).step_time
-                                     / o.step_time) ** 2 for o in observations) / len(observations))  # fmt: skip
-        lines.append(f"  rms log error {rms:.3f}")
     return lines
 
 

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_scale._lightning_compat import wandb_run_started
 from lightning_scale.cli.job_config import config_fingerprint, layout_of
+from lightning_scale.core.planner import Candidate
 from lightning_scale.strategies.hybrid.planning import prediction_record
 
 __all__ = [
@@ -267,10 +268,9 @@ def job_results(
     cost = (cfg.get("callbacks") or {}).get("cost") or {}
     planned = prediction_record(trainer, summary, max(peaks) if trainer.strategy.root_device.type == "cuda" else None)
     if planned and planned.get("chosen_by") == "auto":  # the layout the planner chose, as a sweep names layouts
-        c = planned["inputs"]["candidate"]
-        name = f"{'dp' if c['dp_mode'] == 'ddp' else c['dp_mode']}{c['dp']}-tp{c['tp']}-pp{c['pp']}"
-        layout = {"name": name, "dp": c["dp"], "tp": c["tp"], "pp": c["pp"], "mode": c["dp_mode"],
-                  "world_size": trainer.world_size, "chosen_by": "auto"}  # fmt: skip
+        c = Candidate(**planned["inputs"]["candidate"])
+        layout = {"name": c.layout, "dp": c.dp, "tp": c.tp, "pp": c.pp, "mode": c.dp_mode, "world_size": trainer.world_size,
+                  "chosen_by": "auto"}  # fmt: skip
     return {
         "status": "completed",
         "study": cfg.get("study"),

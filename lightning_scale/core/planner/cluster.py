@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
@@ -228,14 +230,16 @@ CPU_EFFICIENCY = Efficiency(
 )
 
 
+def _threads_per_core(processes: int) -> float:
+    """How many of ``processes`` processes' threads share each core of this host (at least 1)."""
+    return max(1.0, processes * torch.get_num_threads() / (os.cpu_count() or 1))
+
+
 def cpu_peaks(processes: int, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict[str, float]:
     """Each of ``processes`` processes' matmul rate on this host: one process's measured rate
     (:func:`~lightning_scale.core.telemetry.peaks.measured_peak`, at its thread count) times its share of
     the cores when the processes' threads outnumber them."""
-    import torch
-
-    share = min(1.0, (os.cpu_count() or 1) / (processes * torch.get_num_threads()))
-    return {dtype: measured_peak(dtype) * share for dtype in dtypes}
+    return {dtype: measured_peak(dtype) / _threads_per_core(processes) for dtype in dtypes}
 
 
 def cpu_cluster(*, devices_per_node: int, nodes: int = 1, peak_flops: dict[str, float] | None = None) -> Cluster:
@@ -243,13 +247,11 @@ def cpu_cluster(*, devices_per_node: int, nodes: int = 1, peak_flops: dict[str, 
     ``peak_flops`` is each process's matmul rate per dtype while all of them run (what
     ``train/peak_flops_measured`` logs; default :func:`cpu_peaks`); gloo over loopback within the host,
     Ethernet between hosts. The device is named after the processor, so calibrations are per model."""
-    import torch
-
     check_positive_int("devices_per_node", devices_per_node, fix="It is the processes of one host.")
     if peak_flops is None:
         peak_flops = cpu_peaks(devices_per_node)
     memory = _host_memory() / devices_per_node
-    slowdown = max(1.0, devices_per_node * torch.get_num_threads() / (os.cpu_count() or 1))
+    slowdown = _threads_per_core(devices_per_node)
     device = Device(f"CPU ({processor()})", "cpu", memory, 10 * GB, None, "this host: /proc/meminfo shared by its processes; "
                     "10 GB/s of memory bandwidth as an order of magnitude", tuple(sorted(peak_flops.items())), slowdown)  # fmt: skip
     return Cluster(device, devices_per_node, nodes, LINKS["gloo-loopback"], LINKS["ethernet-10g"], "cpu", CPU_EFFICIENCY)

@@ -22,12 +22,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.planner import Candidate, Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
 from lightning_scale.core.planner.calibration import calibrated, planner_record
 from lightning_scale.core.planner.cluster import local_cluster
-from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, machine_key, measured_peak, recorded_peak
 from lightning_scale.core.planner.layout import PRECISION_BYTES
-from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, machine_key, measured_peak, recorded_peak
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 
 __all__ = ["AutoLayout", "candidate_of", "planner_inputs", "prediction_record", "run_cluster"]
@@ -99,7 +99,7 @@ def planner_inputs(trainer: Trainer, module: LightningModule) -> tuple[ModelShap
     return model_shape_of(module), workload_of(trainer)
 
 
-def candidate_of(options: ParallelOptions, layout: Layout, hsdp: tuple[int, int] | None, workload: Workload) -> Candidate:
+def candidate_of(options: ParallelOptions, layout: Layout, hsdp_shard: int, workload: Workload) -> Candidate:
     """The resolved options at ``layout`` as the planner's candidate: micro-batches of the pipeline (or
     one per step without one: Lightning's gradient accumulation is the Trainer's, not the layout's)."""
     local = workload.global_batch // layout.dp
@@ -108,7 +108,7 @@ def candidate_of(options: ParallelOptions, layout: Layout, hsdp: tuple[int, int]
         dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_mode=options.data_parallel_mode, schedule=options.schedule,
         virtual_stages=options.virtual_stages, micro_batch=max(1, local // m), checkpointing=options.activation_checkpointing,
         checkpoint_every=options.activation_checkpointing_every, sequence_parallel=options.sequence_parallel and layout.tp > 1,
-        hsdp_shard=hsdp[1] if hsdp is not None else 1,
+        hsdp_shard=hsdp_shard,
     )  # fmt: skip
 
 
@@ -128,7 +128,6 @@ class AutoLayout:
 
     def __init__(self) -> None:
         self.chosen: Estimate | None = None
-        self.cluster: Cluster | None = None
         self._options: dict[str, Any] | None = None
 
     def apply(self, strategy: Any, trainer: Trainer | None, module: LightningModule) -> ParallelOptions:
@@ -152,7 +151,7 @@ class AutoLayout:
                           max_micro_batch=workload.global_batch)  # fmt: skip
             best = ranked[0]  # the fastest that fits, else the smallest miss is refused below
             doc = {"candidate": dataclasses.asdict(best.candidate), "fits": best.fits}
-            self.chosen, self.cluster = best, system
+            self.chosen = best
             _announce(best, ranked, system, shape)
         doc = strategy.broadcast(doc)
         candidate = Candidate(**doc["candidate"])
@@ -162,8 +161,7 @@ class AutoLayout:
                 f"(run lightning-scale-plan for the terms and fixes), {_AUTO_HINT}."
             )
         if self.chosen is None:  # the other ranks: the same choice, estimated here for the record
-            self.cluster = run_cluster(trainer, workload, preset)
-            self.chosen = estimate(shape, workload, candidate, self.cluster)
+            self.chosen = estimate(shape, workload, candidate, run_cluster(trainer, workload, preset))
         self._options = options_for(candidate, workload)
         return self._options
 
@@ -197,9 +195,9 @@ def prediction_record(trainer: Trainer, summary: dict[str, Any], peak_memory: in
         peak = summary.get("train/peak_flops_measured")
         system = run_cluster(trainer, workload, None, peak=float(peak) if peak else None)
         mesh = strategy.device_mesh
-        hsdp = (1, mesh["dp_shard"].size()) if "dp_shard" in (mesh.mesh_dim_names or ()) else None
+        shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
         chosen = auto.chosen
-        candidate = chosen.candidate if chosen is not None else candidate_of(strategy.options, strategy.layout, hsdp, workload)
+        candidate = chosen.candidate if chosen is not None else candidate_of(strategy.options, strategy.layout, shard, workload)
         predicted = estimate(shape, workload, candidate, system)
     except ValueError as err:  # the run is done and recorded either way: say why there is no prediction
         return {"error": str(err)}
