@@ -26,7 +26,7 @@ from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_check
 from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
 from lightning_scale.cli.job_config import planned_data_parallel_size
 from lightning_scale.cli.run import build
-from lightning_scale.core.checkpoint.format import verify
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, verify
 from lightning_scale.plugins import PREEMPTION_EXIT_CODE, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
@@ -84,21 +84,53 @@ class _Run:
     proc: subprocess.CompletedProcess[str]
     elapsed_s: float
     run_dir: Path
+    step_200: Path | None
+    """A copy of the run's checkpoint at step 200, taken while it ran (ModelCheckpoint keeps only the
+    newest, so it is gone at step 300); None if the copy was missed."""
+
+
+def _copy_when_committed(pattern: str, cwd: Path, into: Path, proc: subprocess.Popen[str], deadline: float) -> Path | None:
+    """While ``proc`` runs (until ``deadline``), copy the first checkpoint under ``cwd`` matching ``pattern``
+    once committed (renamed into place from its hidden staging directory) into ``into``; returns the
+    copy, or None if none was copied whole."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        for found in cwd.glob(pattern):
+            if (found / "manifest.json").is_file():
+                try:
+                    copy = Path(shutil.copytree(found, into / found.name))
+                    verify(copy)
+                    return copy
+                except (OSError, shutil.Error, CheckpointCorruptError):  # deleted while copied: the run went past it
+                    return None
+        time.sleep(0.05)
+    return None
 
 
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> _Run:
     """The README's main job exactly as a user types it, `lightning-scale-train` with no arguments,
-    run once: the quickstart test checks it, and the resume test takes it as the uninterrupted run."""
+    run once: the quickstart test checks it, and the resume test takes it as the uninterrupted run
+    (and its checkpoint at step 200 as where a run of the same config is after 200 steps)."""
     cwd = tmp_path_factory.mktemp("quickstart")
+    logs = tmp_path_factory.mktemp("quickstart_logs")
     start = time.monotonic()
     # The cache the per-test fixture sets, which a module fixture runs before.
-    proc = _train(timeout=300, cwd=cwd, env=_env(LIGHTNING_SCALE_CACHE=str(data_cache)))
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        popen = subprocess.Popen([_executable()], stdout=out, stderr=err, text=True, cwd=cwd,
+                                 env=_env(LIGHTNING_SCALE_CACHE=str(data_cache)))  # fmt: skip
+        try:
+            step_200 = _copy_when_committed("outputs/*/*/checkpoints/epoch=*-step=200.ckpt", cwd, logs, popen, start + 300)
+            popen.wait(timeout=max(start + 300 - time.monotonic(), 1))
+        finally:
+            if popen.poll() is None:
+                popen.kill()
+                popen.wait()
     elapsed = time.monotonic() - start
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, (logs / "stdout").read_text(), (logs / "stderr").read_text())
     run_dirs = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
     # One run directory: the child process did not compose (and date) a run of its own.
     assert len(run_dirs) == 1, (run_dirs, proc.stdout[-3000:] + proc.stderr[-3000:])
-    return _Run(proc, elapsed, run_dirs[0])
+    return _Run(proc, elapsed, run_dirs[0], step_200)
 
 
 @pytest.mark.slow
@@ -131,22 +163,32 @@ def test_default_run_trains_two_processes_and_the_loss_falls(quickstart: _Run) -
 
 @pytest.mark.slow
 def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(quickstart: _Run, tmp_path: Path) -> None:
-    """The default config (checkpoints every 100 steps) lost at step 140 with SIGKILL, resumed with
-    ckpt_path=latest, preempted with SIGTERM at step 160, resumed again: the final validation loss is
-    the uninterrupted run's (the quickstart's), bit for bit."""
+    """The default config (checkpoints every 100 steps) lost at step 220 with SIGKILL, resumed with
+    ckpt_path=latest, preempted with SIGTERM at step 260, resumed again: the final validation loss is
+    the uninterrupted run's (the quickstart's), bit for bit.
+
+    The first 200 steps are the quickstart's, not run again: its checkpoint at step 200 and its CSV
+    log (all 300 steps: each start must keep only the rows before the step it resumes from) are
+    copied into this run's directory, and the first attempt resumes from there."""
     assert (quickstart.run_dir / "summary.json").is_file(), "the uninterrupted run failed"
+    assert quickstart.step_200 is not None, "the quickstart's checkpoint at step 200 was not copied while it ran"
+    assert verify(quickstart.step_200)["global_step"] == 200
     run_dir = tmp_path / "run"
+    copied = Path(shutil.copytree(quickstart.step_200, run_dir / "checkpoints" / quickstart.step_200.name))
+    (run_dir / "csv").mkdir()
+    shutil.copy(quickstart.run_dir / "csv" / "metrics.csv", run_dir / "csv" / "metrics.csv")
     here = f"hydra.run.dir={run_dir}"
-    status, out = _train_until("step 140/300", signal.SIGKILL, here)
+    status, out = _train_until("step 220/300", signal.SIGKILL, here, "ckpt_path=latest")
     assert status == -signal.SIGKILL, out[-3000:]
+    assert f"Restored all states from the checkpoint at {copied}" in out, out[-3000:]
     assert not list((run_dir / "checkpoints").glob("step-*"))  # a crash leaves no checkpoint of its own
 
-    status, out = _train_until("step 160/300", signal.SIGTERM, here, "ckpt_path=latest")
+    status, out = _train_until("step 260/300", signal.SIGTERM, here, "ckpt_path=latest")
     assert status == PREEMPTION_EXIT_CODE, out[-3000:]
     restored = re.search(r"Restored all states from the checkpoint at (\S+)", out)
-    assert restored and verify(Path(restored[1]))["global_step"] == 100, out[-3000:]  # the newest before the crash
+    assert restored and verify(Path(restored[1]))["global_step"] == 200, out[-3000:]  # the newest before the crash
     (preempted,) = (run_dir / "checkpoints").glob("step-*")  # committed at the step the signal stopped
-    assert verify(preempted)["global_step"] == int(preempted.name.removeprefix("step-")) >= 160
+    assert verify(preempted)["global_step"] == int(preempted.name.removeprefix("step-")) >= 260
 
     proc = _train(here, "ckpt_path=latest", timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -227,8 +269,8 @@ def test_planned_data_parallel_size(overrides: list[str], expected: int) -> None
 
 
 def _short_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """10 steps on 2 processes, no checkpoints or loggers, into tmp_path/run."""
-    fixed = ["trainer.max_steps=10", "trainer.limit_val_batches=2", "callbacks=none", "logger=none"]
+    """3 steps on 2 processes, no checkpoints or loggers, into tmp_path/run."""
+    fixed = ["trainer.max_steps=3", "trainer.limit_val_batches=2", "callbacks=none", "logger=none"]
     return _train(*overrides, *fixed, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
 
 

@@ -163,7 +163,7 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
 # --- resumable sweeps, and the same sweep through submitit's local executor ------------------------
 
 # One process per job: the kill test of issue 12 covers resuming every rank of a multi-process run.
-TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,30", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
+TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,20", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
 
 
 def _committed(job_dir: Path) -> list[Path]:
@@ -210,7 +210,7 @@ def test_rerunning_a_killed_sweep_skips_finished_jobs_and_resumes_the_other_in_t
     assert "job 0 (dp1-tp1-pp1): finished earlier, skipped" in again.stdout
     assert (study / "0" / "results.json").read_bytes() == before["results0"]  # not re-run
     r1 = json.loads((study / "1" / "results.json").read_text())
-    assert r1["status"] == "completed" and r1["global_step"] == 30
+    assert r1["status"] == "completed" and r1["global_step"] == 20
     assert r1["resumed_from"] and Path(r1["resumed_from"]).parent == study / "1" / "checkpoints"
     assert Path(r1["resumed_from"]).name in before["checkpoints1"]
     assert json.loads((study / "1" / "job.json").read_text())["attempt"] == 1
@@ -226,12 +226,12 @@ def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> 
     study = resumed["study"]
     r1 = json.loads((study / "1" / "results.json").read_text())
     resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())["global_step"]  # a sharded checkpoint
-    assert 0 < resumed_at < 30
+    assert 0 < resumed_at < 20
     # The curves go on from the first attempt (log_every_n_steps=5, val_check_interval=5); the validation
     # before the resumed fit is at the step it resumed from, never at 0.
-    assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 31, 5))
+    assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 21, 5))
     val_steps = [s for s, _ in r1["curves"]["val/loss"]]
-    assert val_steps[:2] == [0, 5] and val_steps[-1] == 30 and val_steps == sorted(val_steps) and resumed_at in val_steps
+    assert val_steps[:2] == [0, 5] and val_steps[-1] == 20 and val_steps == sorted(val_steps) and resumed_at in val_steps
     summary = json.loads((study / "1" / "summary.json").read_text())
     assert summary["initial_val_loss"] == r1["curves"]["val/loss"][0][1] > 5.0  # the first attempt's (about ln 256)
     state = json.loads((Path(r1["resumed_from"]) / "trainer_state.json").read_text())  # a sharded checkpoint
@@ -673,9 +673,13 @@ def test_the_documented_sweep_commands_compose_into_their_jobs() -> None:
     precisions = jobs["experiment=precision_sweep trainer=gpu precision=fp32,bf16,bf16_true,fp16"]
     assert [[o for o in job if o.startswith("precision=")] for job in precisions] == [[f"precision={p}"] for p in ("fp32", "bf16", "bf16_true", "fp16")]
     assert not [c for c in commands if "hydra.sweeper.params." in c]  # Hydra refuses a sweep over its own config
-    repeated = _expand_multirun(shlex.split("experiment=layout_sweep repeat=range(3)"))[1]
-    layouts = {(c.strategy.tensor_parallel, c.strategy.pipeline_parallel) for c in repeated}
-    assert len(repeated) == 3 * len(layouts) and sorted({c.repeat for c in repeated}) == [0, 1, 2]
+    # repeat=range(3): every layout of the preset three times, once with each repeat (the jobs' overrides) ...
+    batch, repeated = _expand_multirun(shlex.split("experiment=layout_sweep repeat=range(3)"), slice(0, 3))
+    overrides = [dict(o.split("=", 1) for o in job) for job in batch]
+    runs = [(o["strategy.tensor_parallel"], o["strategy.pipeline_parallel"], o["repeat"]) for o in overrides]
+    assert len({r[:2] for r in runs}) == 9 and sorted(runs) == sorted({(*r[:2], str(i)) for r in runs for i in range(3)})
+    # ... and it reaches the config: the first layout's three jobs, composed (a third of a second each, so not all 27).
+    assert [(c.strategy.tensor_parallel, c.strategy.pipeline_parallel, c.repeat) for c in repeated] == [(1, 1, r) for r in range(3)]
 
 
 def _mixed_sweep(root: Path, *, rates: tuple[Any, Any] = (1000.0, 2000.0), throughput: str = "logged") -> Path:
