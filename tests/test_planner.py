@@ -4,6 +4,7 @@ speed, and bad input refused before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -18,7 +19,7 @@ from helpers.distributed import run_distributed
 from helpers.plan_cli import plan_cli
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
-from lightning_scale.core.planner import Candidate, Cluster, Workload, cluster, estimate, model_shape, plan
+from lightning_scale.core.planner import Candidate, Cluster, ModelShape, Workload, cluster, estimate, model_shape, module_shape, plan
 from lightning_scale.core.planner.cluster import DEVICES, LINKS
 from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.published import NARAYANAN_2021
@@ -59,6 +60,108 @@ def test_the_shape_of_a_hugging_face_config_counts_its_model_exactly(family: str
         assert shape.parameters + biases == sum(unique.values())
     else:
         assert shape.parameters == sum(unique.values())
+
+
+def _same_shape(read: ModelShape, expected: ModelShape, *ignore: str) -> None:
+    """Equal field by field but the name (and ``ignore``)."""
+    skip = ("name", *ignore)
+    assert {k: v for k, v in dataclasses.asdict(read).items() if k not in skip} == {
+        k: v for k, v in dataclasses.asdict(expected).items() if k not in skip
+    }
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_modules_shape_read_off_its_meta_tensors_is_its_configs(preset: str) -> None:
+    with torch.device("meta"):
+        model = GPT(PRESETS[preset])
+    _same_shape(module_shape(model), model_shape(PRESETS[preset]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_a_hugging_face_models_shape_read_off_its_modules_is_its_configs(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config, cls = {
+        "llama": (transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
+                                           num_key_value_heads=2, vocab_size=1000), transformers.LlamaForCausalLM),
+        "gpt2": (transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000, n_positions=64),  # Conv1D: (in, out)
+                 transformers.GPT2LMHeadModel),
+        "qwen2": (transformers.Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=500, tie_word_embeddings=True),
+                  transformers.Qwen2ForCausalLM),
+    }[family]  # fmt: skip
+    with torch.device("meta"):
+        model = cls(config)
+    # Qwen2's q/k/v biases are seen on the module (its config has no flag for them): biased, within 1% of its count.
+    _same_shape(module_shape(model), model_shape(config), *(("bias",) if family == "qwen2" else ()))
+    assert module_shape(model).bias == (family != "llama")
+
+
+class _TorchLayersLM(torch.nn.Module):
+    """A user's model the package did not write: torch's own encoder layers (nn.MultiheadAttention's fused
+    in-projection, biases, LayerNorm) under a causal mask, untied head."""
+
+    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 3, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(64, d)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True, norm_first=True) for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, vocab, bias=False)
+
+
+class _FusedQKV(torch.nn.Module):
+    def __init__(self, d: int, kv: int, head_dim: int, ff: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.qkv = torch.nn.Linear(d, d + 2 * kv, bias=False)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.attn_norm, self.mlp_norm = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+        self.gate_up = torch.nn.Linear(d, 2 * ff, bias=False)
+        self.down = torch.nn.Linear(ff, d, bias=False)
+
+
+class _FusedLM(torch.nn.Module):
+    """Fused q/k/v with grouped keys, a fused SwiGLU gate/up, RMSNorm, a head tied by reusing the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = torch.nn.Embedding(384, 96)
+        self.blocks = torch.nn.Sequential(*[_FusedQKV(96, 48, 24, 256) for _ in range(5)])
+
+
+def test_a_users_own_models_shape_is_read_off_its_modules_parameter_for_parameter() -> None:
+    with torch.device("meta"):
+        torch_layers, fused = _TorchLayersLM(), _FusedLM()
+    shape = module_shape(torch_layers)
+    assert shape.parameters == sum(p.numel() for p in torch_layers.parameters()) == 726144 + 64 * 128
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_ff, shape.vocab_size, shape.learned_positions) == (3, 4, 4, 512, 512, 64)
+    assert (shape.bias, shape.layernorm, shape.tied, shape.gated_mlp) == (True, True, False, False)
+    shape = module_shape(fused)
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.d_ff) == (5, 4, 2, 24, 256)
+    assert (shape.bias, shape.layernorm, shape.tied, shape.gated_mlp) == (False, False, True, True)
+    assert shape.parameters - sum(p.numel() for p in fused.parameters()) == 96  # this one has no final norm: within 1%
+
+
+def test_a_module_the_planner_cannot_read_is_refused_with_what_to_add() -> None:
+    with pytest.raises(ValueError, match=r"found no transformer blocks in Module.*build it in `__init__`.*give the module a `config`"):
+        module_shape(torch.nn.Module())  # built in configure_model: nothing there yet
+    with torch.device("meta"):
+        fused = _FusedLM()
+    for block in fused.blocks:
+        del block.head_dim
+    with pytest.raises(ValueError, match=r"cannot tell _FusedLM's attention heads: give its attention module an `n_heads`"):
+        module_shape(fused)
+    with torch.device("meta"):
+        no_embedding = torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2)))
+    with pytest.raises(ValueError, match=r"found no token embedding"):
+        module_shape(no_embedding)
+    with torch.device("meta"):
+        wrong = _TorchLayersLM()
+        wrong.extra = torch.nn.Linear(512, 512)  # parameters the shape cannot account for
+    with pytest.raises(ValueError, match=r"with 734,336 parameters, but it has 996,992: it is not a decoder whose shape can be read"):
+        module_shape(wrong)
 
 
 def test_a_config_the_planner_cannot_read_is_refused_by_name() -> None:

@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from helpers.distributed import run_distributed
 from helpers.plan_cli import plan_cli
+from lightning.pytorch import LightningModule
 
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape
 from lightning_scale.core.planner.calibration import (
@@ -33,6 +36,7 @@ from lightning_scale.core.planner.search import candidates
 from lightning_scale.core.planner.step_time import estimate_time
 from lightning_scale.models import PRESETS
 from lightning_scale.strategies import HybridParallelStrategy
+from lightning_scale.strategies.hybrid.planning import model_shape_of
 
 TINY = model_shape(PRESETS["tiny"])
 CPU = cpu_cluster(devices_per_node=4, peak_flops={"float32": 5e10})
@@ -188,9 +192,6 @@ def test_auto_layout_refuses_options_it_would_overrule(kwargs: dict[str, Any], m
 
 def test_the_planner_reads_a_hugging_face_models_shape_off_the_module() -> None:
     transformers = pytest.importorskip("transformers")
-    from lightning.pytorch import LightningModule
-
-    from lightning_scale.strategies.hybrid.planning import model_shape_of
 
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
@@ -210,6 +211,57 @@ def test_the_planner_reads_a_hugging_face_models_shape_off_the_module() -> None:
 
     with pytest.raises(ValueError, match=r"cannot read NoConfig's shape: give it a `config` attribute"):
         model_shape_of(NoConfig())
+
+
+class _UserCausalLM(LightningModule):
+    """A user's own model, not the package's: torch's encoder layers under a causal mask, built in
+    ``__init__``, no ``config``, no tensor-parallel plan, no pipeline spec."""
+
+    def __init__(self, vocab: int = 256, d: int = 64, layers: int = 2, heads: int = 4, seq: int = 32) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm, self.out = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return torch.nn.functional.cross_entropy(self.out(self.norm(x)).flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _auto_on_a_users_model(rank: int, world: int) -> tuple[dict[str, Any], int, int]:
+    from lightning.pytorch import Trainer
+
+    from lightning_scale.data import TextDataModule
+
+    module = _UserCausalLM()
+    strategy = HybridParallelStrategy(layout="auto")
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=4))
+    chosen = strategy.auto_layout.chosen
+    assert chosen is not None
+    return dataclasses.asdict(chosen.candidate), model_shape_of(module).parameters, sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.slow
+def test_auto_plans_a_users_own_model_read_off_its_modules_within_what_it_can_run() -> None:
+    results = run_distributed(_auto_on_a_users_model, 2, timeout=180)
+    assert results[0] == results[1]  # every rank built the layout rank 0 chose
+    candidate, read, counted = results[0]
+    assert read == counted  # the planner planned this model, parameter for parameter
+    # No tensor-parallel plan and no pipeline spec: only data-parallel layouts were candidates.
+    assert (candidate["dp"], candidate["tp"], candidate["pp"]) == (2, 1, 1), candidate
 
 
 # ------------------------------------------------------------------------------------ end to end

@@ -2,6 +2,7 @@
 
 - :mod:`~lightning_scale.core.planner.cluster`: devices, links and cluster presets, each figure sourced;
 - :mod:`~lightning_scale.core.planner.shape`: a decoder's shape from a ``GPTConfig`` or Hugging Face config;
+- :mod:`~lightning_scale.core.planner.module_shape`: the same read off a module (built on the meta device);
 - :mod:`~lightning_scale.core.planner.layout`: the workload and one candidate layout;
 - :mod:`~lightning_scale.core.planner.memory` and :mod:`~lightning_scale.core.planner.step_time`: the
   estimates, term by term;
@@ -15,9 +16,10 @@ and ``telemetry`` from ``core`` (it sits above them).
 
 from lightning_scale.core.planner.cluster import CLUSTERS, Cluster, cluster
 from lightning_scale.core.planner.layout import Candidate, Workload
+from lightning_scale.core.planner.module_shape import module_shape
 from lightning_scale.core.planner.search import Estimate, candidates, estimate, plan
 from lightning_scale.core.planner.shape import ModelShape, model_shape
 from lightning_scale.core.planner.step_time import Efficiency
 
 __all__ = ["CLUSTERS", "Candidate", "Cluster", "Efficiency", "Estimate", "ModelShape", "Workload", "candidates",
-           "cluster", "estimate", "model_shape", "plan"]
+           "cluster", "estimate", "model_shape", "module_shape", "plan"]

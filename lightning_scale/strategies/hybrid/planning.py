@@ -1,7 +1,7 @@
 """``HybridParallelStrategy``'s bridge to the planner (:mod:`lightning_scale.core.planner`).
 
 - :func:`planner_inputs`: this run as the planner sees it: the model's shape (read off the module's
-  ``config``: a ``GPTConfig``, a Hugging Face config, a ``ModelShape``), the workload (the datamodule's
+  ``config``: a ``GPTConfig``, a Hugging Face config, a ``ModelShape``; else off its modules), the workload (the datamodule's
   ``global_batch_size`` and ``seq_len``, the Trainer's precision, AdamW) and the cluster (the devices the
   processes see, with the calibration stored for that system, if any);
 - :func:`candidate_of`: the strategy's resolved options as the planner's :class:`Candidate`, so any run
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,12 +24,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.parallel.tensor_parallel import find_registered_plans
 from lightning_scale.core.planner import Candidate, Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
 from lightning_scale.core.planner.calibration import calibrated, planner_record
 from lightning_scale.core.planner.cluster import local_cluster
 from lightning_scale.core.planner.layout import PRECISION_BYTES
+from lightning_scale.core.planner.module_shape import module_shape
 from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, machine_key, measured_peak, recorded_peak
 from lightning_scale.strategies.hybrid.options import ParallelOptions
+from lightning_scale.strategies.hybrid.parallelize import TENSOR_PARALLEL_PLAN_HOOK
+from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
 __all__ = ["AutoLayout", "candidate_of", "planner_inputs", "prediction_record", "run_cluster"]
 
@@ -36,8 +41,9 @@ _AUTO_HINT = "or choose the layout yourself (layout='manual' with data_parallel/
 
 
 def model_shape_of(module: LightningModule) -> ModelShape:
-    """The decoder shape of ``module``'s ``config`` (or its ``model``'s: Hugging Face models carry one);
-    ``ValueError`` naming what to add when neither reads as one."""
+    """The decoder shape of ``module``'s ``config`` (or its ``model``'s: Hugging Face models carry one), else
+    read off its modules (:func:`~lightning_scale.core.planner.module_shape.module_shape`); ``ValueError``
+    naming what to add when none reads as one."""
     tried = []
     for owner in (module, getattr(module, "model", None)):
         config = getattr(owner, "config", None)
@@ -47,10 +53,14 @@ def model_shape_of(module: LightningModule) -> ModelShape:
             return model_shape(config, getattr(config, "name", None) or type(module).__name__)
         except ValueError as err:
             tried.append(str(err))
+    try:
+        return module_shape(module)
+    except ValueError as err:
+        tried.append(str(err))
     raise ValueError(
         f"The planner cannot read {type(module).__name__}'s shape: give it a `config` attribute (a GPTConfig, a Hugging "
-        f"Face config, or a lightning_scale.core.planner.ModelShape) or a `model` with one, {_AUTO_HINT}."
-        + (f" ({'; '.join(tried)})" if tried else "")
+        f"Face config, or a lightning_scale.core.planner.ModelShape) or a `model` with one, {_AUTO_HINT}. "
+        f"({'; '.join(tried)})"
     )
 
 
@@ -149,6 +159,8 @@ class AutoLayout:
             system = run_cluster(trainer, workload, preset)
             ranked = plan(shape, workload, system, dp_modes=_dp_modes(strategy.num_nodes), gradient_accumulation=False,
                           max_micro_batch=workload.global_batch)  # fmt: skip
+            runnable = _runnable(module)
+            ranked = [e for e in ranked if runnable(e.candidate)]  # dp x 1 x 1 always is
             best = ranked[0]  # the fastest that fits, else the smallest miss is refused below
             doc = {"candidate": dataclasses.asdict(best.candidate), "fits": best.fits}
             self.chosen = best
@@ -164,6 +176,22 @@ class AutoLayout:
             self.chosen = estimate(shape, workload, candidate, run_cluster(trainer, workload, preset))
         self._options = options_for(candidate, workload)
         return self._options
+
+
+def _runnable(module: LightningModule) -> Callable[[Candidate], bool]:
+    """Whether the module can run a candidate's layout: tensor parallelism needs a plan (the module's
+    ``tensor_parallel_plan`` hook or a registered architecture inside it), a pipeline a spec (its
+    ``pipeline_spec`` hook or a registered architecture). A module whose model is built later (in
+    ``configure_model``, a GPTLightningModule's way) brings them with it: all its layouts are candidates."""
+    if next(module.children(), None) is None:
+        return lambda candidate: True
+    tensor = callable(getattr(module, TENSOR_PARALLEL_PLAN_HOOK, None)) or bool(find_registered_plans(module))
+    try:
+        pipeline_spec_of(module)
+        pipeline = True
+    except ValueError:
+        pipeline = False
+    return lambda candidate: (tensor or candidate.tp == 1) and (pipeline or candidate.pp == 1)
 
 
 def _dp_modes(num_nodes: int) -> tuple[str, ...]:
