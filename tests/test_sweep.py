@@ -478,7 +478,12 @@ def test_report_bad_input_names_the_problem(tmp_path: Path, capsys: pytest.Captu
 def test_report_logs_its_table_and_plots_to_a_wandb_run_of_the_study(tmp_path: Path) -> None:
     study = _fake_sweep(tmp_path)
     build_report(study, use_wandb=True)
-    (run,) = offline_runs(study / "report")
+    # In this process wandb's service writes the run's records to the offline file after finish() returns
+    # (it closes the file when the service lets go of the run): read it once the run record is there.
+    deadline = time.monotonic() + 60
+    while "group" not in (runs := offline_runs(study / "report"))[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (run,) = runs
     assert run["group"] == study.name and run["job_type"] == "report"
 
 
@@ -530,8 +535,13 @@ def test_every_logger_records_throughput_mfu_and_why_when_missing(loggers_study:
             for r in loggers_study["first_results"].values() if r["status"] == "completed"}  # fmt: skip
     assert set(done) == {"logger=csv", "logger=wandb", "logger=none"}, done.keys()
     for r in done.values():
-        assert r["tokens_per_sec"] > 0 and r["mfu"] > 0 and r["throughput"] == "logged", r
+        assert r["tokens_per_sec"] > 0 and r["throughput"] == "logged", r
         assert r["metrics"]["train/tokens_per_sec"] == r["tokens_per_sec"]
+        achieved, peak = r["metrics"]["train/achieved_tflops_per_device"] * 1e12, r["metrics"]["train/peak_flops_measured"]
+        if r["mfu"] is None:  # a loaded machine measured the CPU peak below what the model then ran at: not utilisation
+            assert achieved > peak, r
+        else:
+            assert r["mfu"] == pytest.approx(achieved / peak, rel=0.05), r
 
 
 @pytest.mark.slow
