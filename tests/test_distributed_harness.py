@@ -31,6 +31,11 @@ def _hang_on_rank_one(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _exit_with_rank_status(rank: int, world_size: int) -> None:
+    dist.barrier()
+    raise SystemExit(70 + rank)  # as a script's rank ends: StragglerRestart, Preempted
+
+
 def test_results_come_back_by_rank() -> None:
     assert run_distributed(_all_reduce_rank, 3, 10, timeout=60) == [30.0, 30.0, 30.0]
 
@@ -40,6 +45,12 @@ def test_an_error_on_one_rank_fails_fast_with_its_traceback_and_the_others_stack
     with pytest.raises(DistributedTestError, match=r"(?s)rank 0 did not finish \(hung\).*_raise_on_rank_one.*rank 1 raised.*boom on rank one"):
         run_distributed(_raise_on_rank_one, 2, timeout=60)
     assert time.monotonic() - start < 40
+
+
+def test_a_rank_that_exits_ends_its_process_with_that_status() -> None:
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 0 raised.*SystemExit: 70.*rank 1 raised.*SystemExit: 71") as info:
+        run_distributed(_exit_with_rank_status, 2, timeout=60)
+    assert info.value.exit_codes == {0: 70, 1: 71}
 
 
 def test_a_hang_fails_after_the_timeout_with_every_rank_stack() -> None:

@@ -9,10 +9,11 @@ from lightning_scale.callbacks.health import NumericalHealth
 from lightning_scale.callbacks.memory import MemoryMonitor
 from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_scale.callbacks.step_time import StepTimeBreakdown
-from lightning_scale.callbacks.stragglers import StragglerMonitor
+from lightning_scale.callbacks.stragglers import STRAGGLER_EXIT_CODE, StragglerMonitor, StragglerRestart
 from lightning_scale.callbacks.throughput import Throughput
 
 __all__ = [
+    "STRAGGLER_EXIT_CODE",
     "CheckpointIntervalAdvisor",
     "ConsoleLogger",
     "CostMonitor",
@@ -24,5 +25,6 @@ __all__ = [
     "PreemptionCheckpoint",
     "StepTimeBreakdown",
     "StragglerMonitor",
+    "StragglerRestart",
     "Throughput",
 ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,18 @@ from typing_extensions import override
 from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.timing import TimerReader
+from lightning_scale.core.resilience.stragglers import STRAGGLER_EXIT_CODE, SlowStreaks, record_exclusion
+from lightning_scale.plugins.preemption import Preempted, commit_checkpoint
 
-__all__ = ["StragglerMonitor"]
+__all__ = ["STRAGGLER_EXIT_CODE", "StragglerMonitor", "StragglerRestart"]
+
+_ACTIONS = ("warn", "restart")
+
+
+class StragglerRestart(Preempted):
+    """Raised on every rank after the straggler action committed its checkpoint; the process exits with
+    :data:`STRAGGLER_EXIT_CODE` (a :class:`~lightning_scale.callbacks.Preempted`: the run stops with its
+    checkpoint committed, and ``lightning-scale-train`` ends its processes as for a preemption)."""
 
 
 def _probe(device: torch.device, size: int = 128, repeats: int = 5) -> float:
@@ -74,18 +85,44 @@ class StragglerMonitor(telemetry.TimedCallback):
     ``stragglers/count`` and ``stragglers/max_ratio``. ``flagged`` keeps
     ``(step, rank, host, ratio)`` of every report.
 
+    With ``action="restart"``, a rank flagged at ``patience`` consecutive logging intervals (by either
+    measure) stops the run so that it can restart without that rank's host: every rank commits a checkpoint
+    of that step (``checkpoints/step-NNNNNN``, as a preemption does), global rank 0 writes
+    ``<default_root_dir>/stragglers/exclude.json`` (the rank, its host, its ratios, and every host excluded
+    from the run so far) and a line of ``stragglers/events.jsonl``, and every process exits with
+    :data:`STRAGGLER_EXIT_CODE` (76). The ranks decide from the all-reduced figures, which they all hold
+    alike: the same decision at the same step, with no collective beyond the logging step's all-reduce.
+
     Args:
         factor: a rank is slow above ``factor`` x the median (``> 1``).
         probe: run the matmul probe at logging steps.
+        action: ``"warn"`` (report only) or ``"restart"`` (checkpoint and exit, as above).
+        patience: with ``"restart"``, the consecutive logging intervals a rank must be flagged at.
     """
 
-    def __init__(self, factor: float = 1.5, *, probe: bool = True) -> None:
+    def __init__(
+        self, factor: float = 1.5, *, probe: bool = True, action: Literal["warn", "restart"] = "warn", patience: int = 3
+    ) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
             raise ValueError(f"factor={factor!r} must be a number above 1 (a slow rank's time over the median's).")
+        if action not in _ACTIONS:
+            raise ValueError(
+                f"action={action!r} is not an action. Pass 'warn' (report slow ranks only) or 'restart' (after "
+                f"`patience` slow logging intervals in a row, checkpoint and exit with status {STRAGGLER_EXIT_CODE})."
+            )
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(
+                f"patience={patience!r} must be an integer of 1 or more: the consecutive logging intervals a rank "
+                f"is flagged at before action='restart' stops the run (e.g. patience=3)."
+            )
         super().__init__()
         self.factor = float(factor)
         self.probe = probe
+        self.action = action
+        self.patience = patience
+        self.streaks = SlowStreaks(patience)
         self.flagged: list[tuple[int, int, str, float]] = []
+        self._last_ratios: dict[int, float] = {}  # the last logging step's flagged ranks: their worst ratio
         self._hosts: list[str] = []
         self._local = 0.0
         self._steps = 0
@@ -104,6 +141,7 @@ class StragglerMonitor(telemetry.TimedCallback):
         pipeline = getattr(trainer.strategy, "pipeline", None)
         self._timer = TimerReader(pipeline.timer) if pipeline is not None else None
         self._clock, self._local, self._steps, self._mark = telemetry.TrainClock(), 0.0, 0, None
+        self.streaks = SlowStreaks(self.patience)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -122,6 +160,9 @@ class StragglerMonitor(telemetry.TimedCallback):
         self._steps += 1
         if telemetry.should_log(trainer):
             telemetry.publish(trainer, self.compute(trainer))
+            due = self.streaks.update(self._last_ratios) if self.action == "restart" else {}
+            if due:
+                self._restart(trainer, due)
         self._mark = self._clock.now()  # after the logging step's own work
 
     def compute(self, trainer: Trainer) -> dict[str, float]:
@@ -135,6 +176,7 @@ class StragglerMonitor(telemetry.TimedCallback):
         times = telemetry.reduce_sum(trainer, mine)
         self._local, self._steps = 0.0, 0
         slow: dict[int, str] = {}
+        self._last_ratios = {}
         worst = 0.0
         for name, values in (("local time per step", times[:world]), ("matmul probe", times[world:])):
             median = statistics.median(values)
@@ -144,14 +186,47 @@ class StragglerMonitor(telemetry.TimedCallback):
                 ratio = value / median
                 worst = max(worst, ratio)
                 if ratio > self.factor:
-                    host = self._hosts[r] if r < len(self._hosts) else "?"
-                    self.flagged.append((trainer.global_step, r, host, ratio))
+                    self.flagged.append((trainer.global_step, r, self._host(r), ratio))
+                    self._last_ratios[r] = max(ratio, self._last_ratios.get(r, 0.0))
                     slow[r] = slow.get(r, "") + f"{'; ' if r in slow else ''}{name} {ratio:.2f}x the median " \
                                                f"({value * 1e3:.1f} ms vs {median * 1e3:.1f} ms)"
         if slow:
             rank_zero_warn(
                 f"StragglerMonitor at step {trainer.global_step}: "
-                + ", ".join(f"rank {r} on {self._hosts[r] if r < len(self._hosts) else '?'}: {why}"
-                            for r, why in sorted(slow.items()))  # fmt: skip
+                + ", ".join(f"rank {r} on {self._host(r)}: {why}{self._countdown(r)}" for r, why in sorted(slow.items()))
             )
         return {"stragglers/count": float(len(slow)), "stragglers/max_ratio": worst}
+
+    def _host(self, rank: int) -> str:
+        return self._hosts[rank] if rank < len(self._hosts) else "?"
+
+    def _countdown(self, rank: int) -> str:
+        if self.action != "restart":
+            return ""
+        return f" (slow interval {self.streaks.count(rank) + 1} of {self.patience} in a row before a restart without it)"
+
+    def _restart(self, trainer: Trainer, due: dict[int, list[float]]) -> None:
+        """Every rank: commit this step's checkpoint; rank 0: write ``stragglers/exclude.json``; all: exit."""
+        who = ", ".join(f"rank {r} on {self._host(r)}" for r in due)
+        rank_zero_warn(
+            f"StragglerMonitor: {who} slower than {self.factor:g}x the median at {self.patience} logging intervals "
+            f"in a row (step {trainer.global_step}); committing a checkpoint, then every process exits with status "
+            f"{STRAGGLER_EXIT_CODE} so the job restarts without that host (docs: resilience.md#stragglers)."
+        )
+        path = commit_checkpoint(trainer)
+        directory = Path(trainer.default_root_dir) / "stragglers"
+        if trainer.is_global_zero:
+            event = {
+                "event": "straggler", "step": trainer.global_step, "exit_code": STRAGGLER_EXIT_CODE,
+                "checkpoint": str(path), "factor": self.factor, "patience": self.patience,
+                "log_every_n_steps": trainer.log_every_n_steps, "world_size": trainer.world_size,
+                "stragglers": [{"rank": r, "host": self._host(r), "ratios": ratios} for r, ratios in due.items()],
+            }  # fmt: skip
+            try:
+                record = record_exclusion(directory, event, [self._host(r) for r in due])
+                excluded = f"{directory / 'exclude.json'} excludes {', '.join(record['exclude'])}"
+            except OSError as err:  # the checkpoint is committed: exit all the same, saying what is missing
+                excluded = f"cannot write {directory / 'exclude.json'} ({err}): exclude {who} by hand"
+            rank_zero_warn(f"StragglerMonitor: checkpoint {path} committed; {excluded}. Exiting with status {STRAGGLER_EXIT_CODE}.")
+        trainer.strategy.barrier("StragglerMonitor")  # the record is written before any process goes
+        raise StragglerRestart(STRAGGLER_EXIT_CODE)

@@ -19,7 +19,7 @@ exists anywhere in ``lightning_scale``):
   facts, peaks, prices, numerical health): ``compat``, ``checks`` and ``parallel``, never each other;
 - :mod:`~lightning_scale.core.planner` (memory, step time and cost of every layout before a run): any
   of the parts above but ``checkpoint`` and ``precision``;
-- :mod:`~lightning_scale.core.resilience` (the hang watchdog and its report): ``compat``, ``compat_c10d``
+- :mod:`~lightning_scale.core.resilience` (the hang watchdog and its report, the straggler action): ``compat``, ``compat_c10d``
   and ``checks``.
 """
 

@@ -34,13 +34,47 @@ from lightning_scale.core.checkpoint.format import checkpoint_name
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedCheckpointIO
 
-__all__ = ["Preempted", "PreemptionCheckpoint"]
+__all__ = ["Preempted", "PreemptionCheckpoint", "checkpoint_dir", "commit_checkpoint"]
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2, "SIGINT": signal.SIGINT}
 
 
 class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint is committed; the process exits with ``code``."""
+    """Raised on every rank after the checkpoint that stops the run is committed (a preemption signal; a
+    subclass for another reason, e.g. ``StragglerRestart``); the process exits with ``code``."""
+
+
+def checkpoint_dir(trainer: Trainer, dirpath: str | os.PathLike | None = None) -> AnyPath:
+    """Where a checkpoint taken outside ``ModelCheckpoint``'s schedule goes: ``dirpath``, else the first
+    ``ModelCheckpoint``'s directory, else ``ShardedCheckpointIO(dirpath=...)``, else
+    ``<default_root_dir>/checkpoints``."""
+    io = trainer.strategy.checkpoint_io
+    sharded = isinstance(io, ShardedCheckpointIO)
+    convert = io.as_path if sharded else as_path
+    if dirpath is not None:
+        return convert(dirpath)
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            return convert(callback.dirpath)
+    if sharded and io.dirpath is not None:
+        return io.dirpath
+    return convert(trainer.default_root_dir) / "checkpoints"
+
+
+def commit_checkpoint(trainer: Trainer, dirpath: str | os.PathLike | None = None) -> AnyPath:
+    """On every rank: save a full checkpoint of this step, ``step-NNNNNN`` in :func:`checkpoint_dir`, through
+    the Trainer (sharded, verified and atomic under ``ShardedCheckpointIO``), wait until it is committed (an
+    async save included) and meet at a barrier. The run resumes from it (``ckpt_path="latest"``)."""
+    name = checkpoint_name(trainer.global_step)
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, ShardedCheckpointIO):
+        name += ".ckpt"  # Lightning's own format, one file: named as Lightning names them, so "latest" finds it
+    path = checkpoint_dir(trainer, dirpath) / name
+    trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint: the run resumes from it
+    if isinstance(io, ShardedCheckpointIO):
+        io.wait()  # committed before the process goes
+    trainer.strategy.barrier("commit_checkpoint")
+    return path
 
 
 class PreemptionCheckpoint(Callback):
@@ -150,19 +184,6 @@ class PreemptionCheckpoint(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _dirpath(self, trainer: Trainer) -> AnyPath:
-        io = trainer.strategy.checkpoint_io
-        sharded = isinstance(io, ShardedCheckpointIO)
-        convert = io.as_path if sharded else as_path
-        if self.dirpath is not None:
-            return convert(self.dirpath)
-        for callback in trainer.checkpoint_callbacks:
-            if getattr(callback, "dirpath", None):
-                return convert(callback.dirpath)
-        if sharded and io.dirpath is not None:
-            return io.dirpath
-        return convert(trainer.default_root_dir) / "checkpoints"
-
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -172,16 +193,9 @@ class PreemptionCheckpoint(Callback):
         self._last_step = trainer.global_step
         if not self._anyone_signalled(trainer):
             return
-        name = checkpoint_name(trainer.global_step)
-        if not isinstance(trainer.strategy.checkpoint_io, ShardedCheckpointIO):
-            name += ".ckpt"  # Lightning's own format, one file: named as Lightning names them, so "latest" finds it
-        path = self._dirpath(trainer) / name
-        rank_zero_info(f"Preemption signal received: saving {path} at step {trainer.global_step}, then exiting.")
-        trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint: the run resumes from it
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, ShardedCheckpointIO):
-            io.wait()  # committed (an async save included) before the process goes
-        trainer.strategy.barrier("PreemptionCheckpoint")
+        rank_zero_info(f"Preemption signal received: saving a checkpoint at step {trainer.global_step}, then exiting.")
+        path = commit_checkpoint(trainer, self.dirpath)
+        rank_zero_info(f"Preemption checkpoint committed: {path}.")
         if self.requeue and trainer.is_global_zero:
             self._requeue(trainer)
         raise Preempted(self.exit_code)

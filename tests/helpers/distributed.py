@@ -8,7 +8,8 @@ returns the per-rank results. The environment Lightning reads (``RANK``, ``LOCAL
 inside ``fn`` joins the existing group instead of launching processes.
 
 Failure modes it turns into a fast, readable test failure:
-- a rank raises: the others get a few seconds to finish, then every rank's Python stack is
+- a rank raises: the others get a few seconds to finish (a ``SystemExit`` ends the rank's process with
+  its status, as outside the harness: ``exit_codes`` has it), then every rank's Python stack is
   dumped (``faulthandler`` on SIGUSR2: SIGUSR1 is SLURM's preemption warning, which
   ``PreemptionCheckpoint`` handles during fit) and the error shows the exception and all stacks;
 - a hang: after ``timeout`` seconds every rank's stack is dumped and the processes are killed.
@@ -117,6 +118,7 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    status: Any = None
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
         faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV...) leaves its stack too
@@ -131,13 +133,16 @@ def _worker(
             buffer = io.BytesIO()
             torch.save(value, buffer)
             results.put((rank, True, buffer.getvalue()))
-        except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
+        except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
             results.put((rank, False, traceback.format_exc()))
+            status = exc.code if isinstance(exc, SystemExit) else None
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
             faulthandler.unregister(signal.SIGUSR2)
             faulthandler.disable()
+    if status is not None:
+        raise SystemExit(status)  # the process ends with the status it would have had outside the harness
 
 
 def run_distributed(
@@ -188,6 +193,9 @@ def run_distributed(
                 outcome[rank] = (ok, value)
                 if not ok:
                     deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+            if any(not ok for ok, _ in outcome.values()):
+                for rank in outcome:  # a rank that reported its failure ends by itself: its status is read
+                    procs[rank].join(timeout=max(0.1, deadline - time.monotonic()))
             exit_codes = {r: p.exitcode for r, p in enumerate(procs)}  # before we kill the stragglers
             stacks = _collect_stacks(procs, stack_files) if len(outcome) < world_size else {}
         finally:
