@@ -21,9 +21,10 @@
 - search: every layout of a 70B Llama-shaped model on 1,024 H100s estimated and ranked
   (``search_seconds``, CPU time of this process, and ``search_layouts``).
 
-- step time (``--time-steps``, 0 to skip; :mod:`planner_time`): 12 runs of ``lightning-scale-train`` on 2
-  and 4 processes, calibrated from three, the other nine predicted (``time_error_mean``/``_max``,
-  ``spearman``), and ``strategy=auto`` on 4 processes against the best of them (``auto_vs_best``).
+- step time (``--time-steps``, 0 to skip; :mod:`planner_time`): 12 configurations of ``lightning-scale-train``
+  on 2 and 4 processes, each run ``--time-repeats`` times round-robin (median), calibrated from three, the
+  other nine predicted (``time_error_mean``/``_max``, ``spearman``), and ``strategy=auto`` on 4 processes
+  against the best of them (``auto_vs_best``).
 
 Prints ``BENCH planner {json}`` last and writes benchmarks/results/planner.json.
 """
@@ -281,6 +282,7 @@ def main() -> None:
     parser.add_argument("--time-steps", type=int, default=40,
                         help="steps of each run of the step-time study (benchmarks/planner_time.py); 0: skip it")  # fmt: skip
     parser.add_argument("--time-workdir", type=Path, default=None, help="keep (and reuse) the study's runs here")
+    parser.add_argument("--time-repeats", type=int, default=3, help="runs of each configuration of the study, round-robin")
     args = parser.parse_args()
     names = args.cases.split(",")
     unknown = sorted(set(names) - set(every))
@@ -305,7 +307,7 @@ def main() -> None:
 
         workdir = args.time_workdir or Path(tempfile.mkdtemp(prefix="planner-time-"))
         workdir.mkdir(parents=True, exist_ok=True)
-        timed = time_study(workdir, args.time_steps)
+        timed = time_study(workdir, args.time_steps, repeats=args.time_repeats)
     report: dict[str, Any] = {
         "memory_error_mean": statistics.fmean(every_error) if every_error else None,
         "memory_error_max": max(every_error) if every_error else None,

@@ -1,6 +1,6 @@
 """The planner's step time against runs measured on this machine, after calibrating from three of them.
 
-    python benchmarks/planner_time.py [--steps 30] [--workdir DIR]
+    python benchmarks/planner_time.py [--steps 30] [--repeats 3] [--workdir DIR]
 
 Runs ``lightning-scale-train`` (the tiny GPT, Shakespeare, gloo on CPU, one thread per process) at
 12 layouts on 2 and 4 processes (data parallel as ddp, fsdp and fsdp_grad_op, tensor, pipeline with
@@ -11,6 +11,11 @@ runs), and the calibrated planner predicts the other nine: ``time_error_mean`` (
 error of the step time), ``spearman`` (rank correlation of predicted and measured step times). Last,
 ``strategy=auto`` runs on 4 processes with that calibration: ``auto_vs_best`` is its tokens/s over the
 best 4-process layout's (1.0: it found the best; the acceptance is >= 0.9), ``auto_layout`` what it chose.
+
+With ``--repeats N`` every configuration (auto included) runs N times, round-robin (all of them once, then
+all again), so a loaded spell of a shared machine slows every configuration alike instead of a few; a
+configuration's measured step time and tokens/s are the medians of its runs, calibration fits all the
+runs of its three configurations, and each row records the spread and the load average during its runs.
 
 Prints ``BENCH planner_time {json}`` last (``benchmarks/planner.py`` folds it into ``BENCH planner``).
 """
@@ -66,10 +71,23 @@ def _train(name: str, devices: int, overrides: list[str], workdir: Path, steps: 
         "validate_before_fit=false", "validate_after_fit=false", "callbacks=[throughput,step_time]", "logger=none",
         f"hydra.run.dir={run_dir}", *overrides,
     ]  # fmt: skip
+    load = os.getloadavg()[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    (run_dir / "load.json").write_text(json.dumps({"before": load, "after": os.getloadavg()[0]}))
     return run_dir
+
+
+def _runs(configs: dict[str, tuple[int, list[str]]], workdir: Path, steps: int, repeats: int,
+          env: dict[str, str]) -> dict[str, list[Path]]:
+    """Every configuration ``repeats`` times, round-robin; each name's run folders (``NAME`` or ``NAME-rK``)."""
+    dirs: dict[str, list[Path]] = {name: [] for name in configs}
+    for r in range(repeats):
+        for name, (devices, overrides) in configs.items():
+            folder = name if repeats == 1 else f"{name}-r{r}"
+            dirs[name].append(_train(folder, devices, overrides, workdir, steps, env))
+    return dirs
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:
@@ -86,54 +104,68 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str]]] = CONFIGS) -> dict[str, Any]:
+def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str]]] = CONFIGS, repeats: int = 1) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_SCALE_PEAK_FILE": str(workdir / "peaks.json"),
            "LIGHTNING_SCALE_CALIBRATION": str(workdir / "calibration.json")}  # fmt: skip
-    dirs = {name: _train(name, devices, overrides, workdir, steps, env) for name, (devices, overrides) in configs.items()}
+    every = {**configs, "auto4": (4, ["strategy=auto"])}
+    runs = _runs(every, workdir, steps, repeats, env)
     store = workdir / "calibration.json"
-    for line in calibrate([dirs[n] for n in CALIBRATE_FROM], store=store):
+    for line in calibrate([d for n in CALIBRATE_FROM for d in runs[n]], store=store):
         print("calibrate:", line)
     rows = []
-    for name, run_dir in dirs.items():
-        groups, _ = observations_in([run_dir])
-        ((system, (observation,)),) = groups.values()
+    for name in configs:
+        groups, _ = observations_in(runs[name])
+        ((system, observations),) = groups.values()
+        observation = observations[0]
+        measured = statistics.median(o.step_time for o in observations)
         fitted = load_calibration(system, store)
         predicted = estimate_time(observation.shape, observation.workload, observation.candidate, system, fitted,
-                                  peak=observation.peak).step_time  # fmt: skip
+                                  peak=statistics.median(o.peak for o in observations)).step_time  # fmt: skip
+        loads = [json.loads((d / "load.json").read_text()) for d in runs[name] if (d / "load.json").exists()]
         rows.append({"config": name, "processes": configs[name][0], "layout": observation.candidate.name,
-                     "measured_s": observation.step_time, "predicted_s": predicted,
-                     "error": predicted / observation.step_time - 1, "calibration_run": name in CALIBRATE_FROM})  # fmt: skip
-        print(f"time {name:22s} {observation.candidate.name:36s} measured {observation.step_time:.4f} s, predicted "
-              f"{predicted:.4f} s, error {rows[-1]['error']:+.3f}{' (calibrated on)' if name in CALIBRATE_FROM else ''}")  # fmt: skip
+                     "measured_s": measured, "measured_runs_s": [o.step_time for o in observations],
+                     "predicted_s": predicted, "error": predicted / measured - 1,
+                     "load_average": [round(v, 2) for x in loads for v in (x["before"], x["after"])],
+                     "calibration_run": name in CALIBRATE_FROM})  # fmt: skip
+        print(f"time {name:22s} {observation.candidate.name:36s} measured {measured:.4f} s "
+              f"({', '.join(f'{o.step_time:.3f}' for o in observations)}), predicted {predicted:.4f} s, error "
+              f"{rows[-1]['error']:+.3f}{' (calibrated on)' if name in CALIBRATE_FROM else ''}")  # fmt: skip
     held = [r for r in rows if not r["calibration_run"]]
-    auto_dir = _train("auto4", 4, ["strategy=auto"], workdir, steps, env)
-    auto = json.loads((auto_dir / "results.json").read_text())
-    four = [json.loads((dirs[n] / "results.json").read_text())["tokens_per_sec"] for n, (d, _) in configs.items() if d == 4]
+
+    def rate(name: str) -> float:
+        return statistics.median(json.loads((d / "results.json").read_text())["tokens_per_sec"] for d in runs[name])
+
+    autos = [json.loads((d / "results.json").read_text()) for d in runs["auto4"]]
+    four = {n: rate(n) for n, (d, _) in configs.items() if d == 4}
+    best = max(four, key=four.__getitem__)
     report = {
         "time_error_mean": statistics.fmean(abs(r["error"]) for r in held),
         "time_error_max": max(abs(r["error"]) for r in held),
         "time_cases": len(held),
+        "repeats": repeats,
         "spearman": _spearman([r["predicted_s"] for r in held], [r["measured_s"] for r in held]),
-        "auto_layout": auto["planner"]["layout"],
-        "auto_vs_best": auto["tokens_per_sec"] / max(four),
-        "auto_predicted_step_error": auto["planner"]["error"].get("step_time_s"),
+        "auto_layout": sorted({a["planner"]["layout"] for a in autos}),
+        "auto_vs_best": rate("auto4") / four[best],
+        "best_4_process": best,
+        "auto_predicted_step_error": statistics.median(a["planner"]["error"].get("step_time_s") for a in autos),
         "calibrated_on": list(CALIBRATE_FROM),
         "rows": rows,
     }
-    print(f"auto: {report['auto_layout']} at {auto['tokens_per_sec']:.0f} tokens/s; the best measured 4-process layout "
-          f"{max(four):.0f} tokens/s (ratio {report['auto_vs_best']:.3f})")  # fmt: skip
+    print(f"auto: {report['auto_layout']} at {rate('auto4'):.0f} tokens/s; the best measured 4-process layout {best} "
+          f"{four[best]:.0f} tokens/s (ratio {report['auto_vs_best']:.3f})")  # fmt: skip
     return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, round-robin (median)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=RESULTS / "planner_time.json")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="planner-time-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    report = time_study(workdir, args.steps)
+    report = time_study(workdir, args.steps, repeats=args.repeats)
     from _common import emit
 
     emit("planner_time", report, args.out)

@@ -112,10 +112,13 @@ def test_planner_benchmark_prints_its_errors(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "callbacks", "callbacks.py", "--steps", "12", "--warmup", "2", "--rounds", "1", "--threads", "1",
-        "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
+        "callbacks", "callbacks.py", "--steps", "16", "--warmup", "2", "--log-every", "2", "--rounds", "1",
+        "--threads", "1", "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
     )  # fmt: skip
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
+    # 16 steps in blocks of 2 (one logging step each), 3 blocks a cycle: cycle 0 starts in the warm-up, cycle 2 is cut short.
+    assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
+    assert 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
 
