@@ -59,25 +59,32 @@ def test_two_interruptions_one_of_them_a_hang_split_the_wall_time_exactly(tmp_pa
         _start("a3", 240.0, resumed=30, commit=200.0, relaunch=True), _ev("first_step", "a3", 249.0, step=30),
         _ev("checkpoint", "a3", 260.0, step=40, blocking_s=1.5), _ev("end", "a3", 280.0, step=45, status="completed"),
     ], progress={"a1": (27, 165.0), "a2": (33, 233.0), "a3": (45, 280.0)},
-       hangs=[{"event": "hang", "time": 230.0, "records": {"0": {"step_s": 12.0}, "1": {"step_s": 11.5}}}])  # fmt: skip
+       hangs=[{"event": "hang", "time": 230.0, "records": {"0": {"step_s": 12.0, "unix_s": 229.0}, "1": {"step_s": 11.5, "unix_s": 229.5}}}])  # fmt: skip
     ledger = read_ledger(tmp_path)
     assert ledger.problems == []
     s = summarize(ledger.attempts)
     assert s is not None
     assert s.total_s == 180.0
     assert s.productive_s == (150 - 110 - 4) + (200 - 178 - 1) + (280 - 249 - 1.5) == 86.5
-    assert s.lost_s == (165 - 150) + (218 - 200) == 33.0  # a2 stopped when its hung step started: 230 - 12
+    assert s.lost_s == (165 - 150) + (217 - 200) == 32.0  # a2 stopped when its hung step started: 229 - 12
     assert s.checkpoint_s == 6.5
     assert s.startup_s == 10.0
     assert s.rendezvous_s == (170 - 165) + (240 - 230) == 15.0
     assert s.restart_s == 15.0 + 8.0 + 9.0
-    assert s.hang_detection_s == 12.0
+    assert s.hang_detection_s == 230.0 - 217.0  # the watchdog's 12 s limit, and 1 s of reports
     assert s.unaccounted_s == 0.0 and sum(getattr(s, p) for p in PARTS) == s.total_s
     assert s.goodput == 86.5 / 180.0
-    assert s.mttr_s == ((178 - 165) + (249 - 218)) / 2
+    assert s.mttr_s == ((178 - 165) + (249 - 217)) / 2
     assert (s.attempts, s.interruptions, s.hangs) == (3, 2, 1)
     assert [r["status"] for r in s.per_attempt] == ["killed", "hang", "completed"]
-    assert [r["lost_s"] for r in s.per_attempt] == [15.0, 18.0, 0.0]
+    assert [r["lost_s"] for r in s.per_attempt] == [15.0, 17.0, 0.0]
+
+
+def test_a_hang_from_before_records_were_dated_counts_the_longest_step(tmp_path: Path) -> None:
+    _write(tmp_path, [_start("a", 0.0), _ev("first_step", "a", 5.0, step=0), _start("b", 40.0, relaunch=True)],
+           hangs=[{"event": "hang", "time": 30.0, "records": {"0": {"step_s": 10.0}, "1": {"step_s": 9.0, "unix_s": "x"}}}])  # fmt: skip
+    s = summarize(read_ledger(tmp_path).attempts, now=50.0)
+    assert s is not None and (s.hang_detection_s, s.lost_s, s.rendezvous_s, s.hangs) == (10.0, 15.0, 10.0, 1)
 
 
 def test_a_run_without_interruptions_has_goodput_productive_over_total() -> None:
@@ -181,7 +188,7 @@ def test_the_monitor_writes_the_ledger_logs_goodput_and_a_resumed_fit_continues_
     assert [e.get("step") for e in events] == [0, 0, 4, 8, 8] and events[-1]["status"] == "completed"
     assert events[0]["time"] < begin and events[0]["resumed_step"] is None and events[0]["relaunch"] is False
     assert all(e["blocking_s"] > 0 for e in events if e["event"] == "checkpoint")
-    assert set(trainer.callback_metrics) >= {f"goodput/{k}" for k in GOODPUT_METRICS if k != "mttr_s"}
+    assert set(trainer.callback_metrics) >= set(GOODPUT_METRICS) - {"goodput/mttr_s"}
     s = monitor.summary
     assert s is not None and s.attempts == 1 and s.unaccounted_s == 0.0
     assert s.productive_s > 8 * 0.05 and s.checkpoint_s == sum(e["blocking_s"] for e in events[2:4])

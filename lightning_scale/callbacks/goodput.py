@@ -19,9 +19,13 @@ from lightning_scale.plugins.checkpoint_io import restarted
 
 __all__ = ["GOODPUT_METRICS", "GoodputMonitor"]
 
-GOODPUT_METRICS = ("goodput", "productive_s", "lost_s", "checkpoint_s", "startup_s", "restart_s", "rendezvous_s",
-                   "hang_detection_s", "mttr_s", "interruptions")  # fmt: skip
-"""The :class:`~lightning_scale.core.resilience.goodput.GoodputSummary` fields logged as ``goodput/<field>``."""
+GOODPUT_METRICS = {
+    "goodput/goodput": "goodput", "goodput/productive_s": "productive_s", "goodput/lost_s": "lost_s",
+    "goodput/checkpoint_s": "checkpoint_s", "goodput/startup_s": "startup_s", "goodput/restart_s": "restart_s",
+    "goodput/rendezvous_s": "rendezvous_s", "goodput/hang_detection_s": "hang_detection_s", "goodput/mttr_s": "mttr_s",
+    "goodput/interruptions": "interruptions",
+}  # fmt: skip
+"""The metrics logged, each a :class:`~lightning_scale.core.resilience.goodput.GoodputSummary` field."""
 
 _fits_in_process = 0  # the first fit of a process counts its start-up from the process's start
 
@@ -97,7 +101,7 @@ class GoodputMonitor(telemetry.TimedCallback):
         if telemetry.should_log(trainer):
             summary = summarize(self._ledger.attempts, now=time.time())
             if summary is not None:
-                values = {f"goodput/{k}": getattr(summary, k) for k in GOODPUT_METRICS}
+                values = {name: getattr(summary, field) for name, field in GOODPUT_METRICS.items()}
                 telemetry.publish(trainer, {k: v for k, v in values.items() if v is not None})
 
     def _saved(self, trainer: Trainer, seconds: float) -> None:

@@ -2,12 +2,16 @@
 times each training step against a heartbeat and, past the step's limit, has every rank write its stacks
 and exit with :data:`~lightning_scale.core.resilience.watchdog.HANG_EXIT_CODE`) and its report
 (:mod:`.hang_report`: each rank's record, and the summary naming the ranks that never reached the
-collective the others wait in).
+collective the others wait in); goodput across restarts (:mod:`.goodput`: a run's wall time split into
+productive, lost, checkpoint, start-up, restart and hang detection seconds from its ledger, which
+:mod:`.goodput_ledger` writes).
 
 May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
 :mod:`lightning_scale.core.compat_c10d` and :mod:`lightning_scale.core.checks`.
 """
 
+from lightning_scale.core.resilience.goodput import GoodputSummary, Ledger, read_ledger, summarize
 from lightning_scale.core.resilience.watchdog import HANG_EXIT_CODE, HangTimeout, StepWatchdog, hang_timeout_policy
 
-__all__ = ["HANG_EXIT_CODE", "HangTimeout", "StepWatchdog", "hang_timeout_policy"]
+__all__ = ["HANG_EXIT_CODE", "GoodputSummary", "HangTimeout", "Ledger", "StepWatchdog", "hang_timeout_policy", "read_ledger",
+           "summarize"]

@@ -23,7 +23,8 @@ end, splits exactly into:
 - **restart**: for each interruption, from the last progress (or the hang's declaration) to the next attempt's
   process start (**rendezvous**: the launcher's detection, the rendezvous, the relaunch) plus that attempt's
   start-up;
-- **hang detection**: from a hung step's start to the hang's declaration (the watchdog's limit).
+- **hang detection**: from a hung step's start to the hang's declaration (the watchdog's limit, and the ranks'
+  reports).
 
 ``goodput = productive / total``; the mean time to recover is the mean over interruptions of (the first step of
 the next attempt that trained - the last progress). Pure functions on the parsed ledger; nothing read back is
@@ -193,12 +194,17 @@ def read_ledger(run_dir: str | Path) -> Ledger:
 
 
 def _hang(obj: Any) -> tuple[float | None, float]:
-    """(declared at, seconds the longest-running rank's step had run then) of a hang event of the watchdog."""
+    """(declared at, seconds since the hung step started) of a hang event of the watchdog: the step's earliest
+    start over the ranks' records (each record's ``unix_s`` less its ``step_s``), else the longest ``step_s``."""
     if not isinstance(obj, dict) or obj.get("event") != "hang" or not _is(_NUMBER, obj.get("time")):
         return None, 0.0
-    records = obj.get("records")
-    steps = [r.get("step_s") for r in records.values() if isinstance(r, dict)] if isinstance(records, dict) else []
-    return float(obj["time"]), max((float(s) for s in steps if _is(_NUMBER, s)), default=0.0)
+    declared = float(obj["time"])
+    records = [r for r in obj["records"].values() if isinstance(r, dict)] if isinstance(obj.get("records"), dict) else []
+    timed = [r for r in records if _is(_NUMBER, r.get("step_s"))]
+    starts = [float(r["unix_s"]) - float(r["step_s"]) for r in timed if _is(_NUMBER, r.get("unix_s"))]
+    if starts:
+        return declared, max(0.0, declared - min(starts))
+    return declared, max((float(r["step_s"]) for r in timed), default=0.0)
 
 
 PARTS = ("productive_s", "lost_s", "checkpoint_s", "startup_s", "restart_s", "hang_detection_s")
@@ -289,8 +295,8 @@ def summarize(attempts: list[Attempt], *, now: float | None = None) -> GoodputSu
             kept = _kept_until(a, later)
             cut = stop if kept is None else min(max(kept[0], first), stop)
             saves = [(t, b) for _, t, b in a.checkpoints if first <= t <= stop]
-            blocked_kept = sum(min(b, t - first) for t, b in saves if t <= cut)
-            blocked_lost = sum(min(b, t - cut) for t, b in saves if t > cut)
+            blocked_kept = sum((min(b, t - first) for t, b in saves if t <= cut), 0.0)
+            blocked_lost = sum((min(b, t - cut) for t, b in saves if t > cut), 0.0)
             kept_s, lost_s, blocked = cut - first - blocked_kept, stop - cut - blocked_lost, blocked_kept + blocked_lost
         hang = finished - stop
         parts["productive_s"] += kept_s
