@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.callbacks import GoodputMonitor
+from lightning_scale.callbacks import goodput as goodput_callback
 from lightning_scale.callbacks.goodput import GOODPUT_METRICS
 
 from lightning_scale.core.resilience.goodput import PARTS, parse_event, read_ledger, summarize
@@ -180,7 +181,10 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
 
-def test_the_monitor_writes_the_ledger_logs_goodput_and_a_resumed_fit_continues_the_run(tmp_path: Path) -> None:
+def test_the_monitor_writes_the_ledger_logs_goodput_and_a_later_fit_starts_a_run_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(goodput_callback, "_fits_in_process", 0)  # this process's first fit: dated from its start
     begin = time.time()
     trainer, monitor = _fit(tmp_path, 8)
     events = [json.loads(line) for line in (tmp_path / "goodput" / "events.jsonl").read_text().splitlines()]

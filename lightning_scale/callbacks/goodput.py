@@ -40,7 +40,9 @@ class GoodputMonitor(telemetry.TimedCallback):
     step: one attribute store; no collective, host sync or file write.
     :func:`lightning_scale.core.resilience.goodput.read_ledger` and ``summarize`` turn the ledger (with the hang
     watchdog's ``hang/events.jsonl``) into productive, lost, checkpoint, start-up, restart, rendezvous and hang
-    detection seconds, goodput and the mean time to recover; :attr:`summary` holds them after the fit.
+    detection seconds, goodput and the mean time to recover; :attr:`summary` holds them after the fit. An attempt
+    starts when its process started (the first fit of a process) or when the monitor was made (a later fit in
+    the same process, e.g. the next job of an in-process sweep).
 
     Args:
         dirpath: the run directory (default: the Trainer's ``default_root_dir``; ``lightning-scale-train``'s run
