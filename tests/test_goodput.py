@@ -127,6 +127,16 @@ def test_an_attempt_killed_before_its_first_checkpoint_loses_all_its_training(tm
     assert s.mttr_s == 11.0 and s.goodput == 24.0 / 60.0
 
 
+def test_a_checkpoint_whose_record_was_lost_is_dated_by_its_manifest(tmp_path: Path) -> None:
+    _write(tmp_path, [
+        _start("a", 0.0), _ev("first_step", "a", 5.0, step=0),  # killed before its save of step 10 was recorded
+        _start("b", 60.0, resumed=10, commit=30.0, relaunch=True), _ev("first_step", "b", 65.0, step=10),
+        _ev("end", "b", 70.0, step=12, status="completed"),
+    ], progress={"a": (14, 50.0)})  # fmt: skip
+    s = summarize(read_ledger(tmp_path).attempts)
+    assert s is not None and (s.productive_s, s.lost_s, s.restart_s) == (25.0 + 5.0, 20.0, 15.0)
+
+
 def test_the_ledger_trusts_no_field_and_skips_what_it_cannot_read(tmp_path: Path) -> None:
     _write(tmp_path, [_start("a", 0.0), _ev("first_step", "a", 2.0, step=0), _ev("end", "a", 10.0, step=3, status="completed")])
     with open(tmp_path / "goodput" / "events.jsonl", "a") as f:

@@ -256,21 +256,21 @@ def _stop(a: Attempt, now: float | None) -> float:
     return max(*seen, now if now is not None else 0.0)
 
 
-def _kept_until(a: Attempt, later: list[Attempt]) -> tuple[float, float] | None:
-    """Until when ``a``'s training was kept (its time, and the step), or None when all of it was: the earliest
+def _kept_until(a: Attempt, later: list[Attempt]) -> float | None:
+    """When ``a``'s kept training ended (None: all of it was kept; -inf: none of it): where it saved the earliest
     checkpoint a later attempt resumed from."""
     if not later:
         return None
     resumed = min(later, key=lambda b: b.resumed_step or 0)
     step = resumed.resumed_step or 0
     if step <= a.step:
-        return float("-inf"), step  # none of it: a later attempt went back to where this one started, or further
+        return float("-inf")  # a later attempt went back to where this one started, or further
     saves = [t for s, t, _ in a.checkpoints if s == step]
     if saves:
-        return max(saves), step
+        return max(saves)
     if resumed.resumed_commit is not None:  # the save's record was lost (e.g. a kill right after it)
-        return resumed.resumed_commit, step
-    return float("-inf"), step
+        return resumed.resumed_commit
+    return float("-inf")
 
 
 def summarize(attempts: list[Attempt], *, now: float | None = None) -> GoodputSummary | None:
@@ -293,7 +293,7 @@ def summarize(attempts: list[Attempt], *, now: float | None = None) -> GoodputSu
         if a.first_step is not None:
             first = min(a.first_step, stop)
             kept = _kept_until(a, later)
-            cut = stop if kept is None else min(max(kept[0], first), stop)
+            cut = stop if kept is None else min(max(kept, first), stop)
             saves = [(t, b) for _, t, b in a.checkpoints if first <= t <= stop]
             blocked_kept = sum((min(b, t - first) for t, b in saves if t <= cut), 0.0)
             blocked_lost = sum((min(b, t - cut) for t, b in saves if t > cut), 0.0)
