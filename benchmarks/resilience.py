@@ -1,19 +1,22 @@
-"""What the hang watchdog costs a training step: ``HybridParallelStrategy``'s watchdog on (the default,
-``hang_timeout="auto"``) against off, alternating within the same run, on two processes.
+"""What the hang watchdog and the goodput accounting cost a training step: ``HybridParallelStrategy``'s watchdog
+(the default, ``hang_timeout="auto"``) with a ``GoodputMonitor`` on, against both off, alternating within the same
+run, on two processes.
 
     python benchmarks/resilience.py                      # tiny GPT, 400 steps a fit, blocks of 10, 3 rounds
     python benchmarks/resilience.py --steps 60 --rounds 1
 
 Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT on the bundled corpus,
-gradient clipping at 1.0, no other callback. Within each fit the watchdog is switched on and off every
-``--block`` steps (on: its thread runs and the training loop beats its heart; off: neither), both ranks
-alike; the order alternates between rounds. A step's time is the gap between two ``on_train_batch_end``
+gradient clipping at 1.0, no other callback. Within each fit both are switched on and off every ``--block`` steps
+(on: the watchdog's thread runs and the training loop beats its heart, and the goodput monitor records: its
+ledger's events, its progress thread writing every second, its progress attribute set each step, its
+``goodput/...`` metrics at the logging steps; off: none of it), both ranks alike; the order alternates between
+rounds. A step's time is the gap between two ``on_train_batch_end``
 calls on rank 0; the first ``--warmup`` steps of a fit and the first step of every block (which pays the
 thread's start or stop, once per fit in real use) are dropped. ``overhead_fraction`` is the median over
 pairs of adjacent blocks of ``on / off - 1`` (target <= 0.005; the bound is no overhead): alternating
 every few steps keeps the comparison inside one run, where a shared VM's drift between fits (several
 per cent) would swamp it. ``overhead_of_means`` compares all the on steps with all the off ones, and
-``hook_fraction`` is the heartbeats' own time (the hooks timed directly) over the off step.
+``hook_fraction`` is the hooks' own time (the watchdog's and the monitor's, timed directly) over the off step.
 
 Prints ``BENCH resilience {json}`` last and writes benchmarks/results/resilience.json.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -30,6 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 
 from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, run_workers
 
+from lightning_scale.callbacks import GoodputMonitor
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import PRESETS, GPTLightningModule
 from lightning_scale.plugins import HangWatchdog
@@ -39,12 +44,13 @@ WORLD = 2
 
 
 class _Blocks(Callback):
-    """Last in the callback list: each step's time into its block, and the watchdog switched at the blocks' ends."""
+    """Last in the callback list: each step's time into its block, and the watchdog and the goodput monitor
+    switched at the blocks' ends."""
 
-    def __init__(self, watchdog: HangWatchdog, hooks: HookTime, block: int, warmup: int, on_first: bool) -> None:
-        self.watchdog, self.hooks, self.block, self.warmup, self.on = watchdog, hooks, block, warmup, on_first
+    def __init__(self, switched: list[Callback], hooks: HookTime, block: int, warmup: int, on_first: bool) -> None:
+        self.switched, self.hooks, self.block, self.warmup, self.on = switched, hooks, block, warmup, on_first
         self.blocks: list[tuple[bool, list[float]]] = []
-        self.hook_s_on = 0.0  # the heartbeats' seconds in the steps run with the watchdog on
+        self.hook_s_on = 0.0  # the hooks' seconds in the steps run with them on
         self.steps_on = 0
         self._last: float | None = None
         self._steps = 0
@@ -52,7 +58,8 @@ class _Blocks(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.on:
-            self.watchdog.on_train_end(trainer, pl_module)  # started by its own on_train_start: off first
+            for callback in self.switched:  # started by their own on_train_start: off first
+                callback.on_train_end(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -69,24 +76,22 @@ class _Blocks(Callback):
         self.hooks.seconds = 0.0
         if self._steps % self.block == 0:  # the block's last step: switch for the next
             self.on, self._new_block = not self.on, True
-            if self.on:
-                self.watchdog.on_train_start(trainer, pl_module)
-            else:
-                self.watchdog.on_train_end(trainer, pl_module)
+            for callback in self.switched:
+                (callback.on_train_start if self.on else callback.on_train_end)(trainer, pl_module)
         self._last = time.perf_counter()
 
 
 def _fit(args: argparse.Namespace, on_first: bool) -> tuple[list[tuple[bool, list[float]]], float, int]:
-    """The fit's blocks (on?, step times), the heartbeats' seconds and the number of steps run with the watchdog on,
-    on this rank."""
+    """The fit's blocks (on?, step times), the hooks' seconds and the number of steps run with them on, on this rank."""
     seed_everything(0, verbose=False)
     hooks = HookTime()
     watchdog = hooks.instrument(HangWatchdog("auto"))
-    blocks = _Blocks(watchdog, hooks, args.block, args.warmup, on_first)  # type: ignore[arg-type]
+    goodput = hooks.instrument(GoodputMonitor(dirpath=args.goodput_dir))
+    blocks = _Blocks([watchdog, goodput], hooks, args.block, args.warmup, on_first)
     trainer = Trainer(
         accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD, hang_timeout=0),
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[watchdog, blocks],
+        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[watchdog, goodput, blocks],
     )  # fmt: skip
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
@@ -106,7 +111,9 @@ def main() -> None:
         __doc__, "resilience", rounds=3, steps=400,
         extra=lambda p: p.add_argument("--block", type=int, default=10, help="steps between two switches"),
     )  # fmt: skip
-    fits = run_workers(_worker, WORLD, args)
+    with tempfile.TemporaryDirectory() as ledger:  # the goodput monitor's run directory
+        args.goodput_dir = ledger
+        fits = run_workers(_worker, WORLD, args)
     pairs, times = [], {True: [], False: []}
     for blocks, _, _ in fits:
         means = [(on, statistics.mean(t)) for on, t in blocks if t]
@@ -114,11 +121,12 @@ def main() -> None:
             times[on] += t
         pairs += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means, means[1:]) if a[0] != b[0]]
     step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
-    hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with the watchdog on
+    hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with them on
     report = {
         **fit_report(args, WORLD),
         "block": args.block,
         "hang_timeout": "auto",
+        "goodput": True,  # the "on" steps record the goodput ledger too
         "step_s": step,
         "overhead_fraction": statistics.median(pairs),
         "block_pairs": len(pairs),

@@ -133,6 +133,7 @@ def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> N
     # 12 steps in blocks of 2, the first 2 and each block's first dropped: 5 blocks a fit, alternating, 4 pairs.
     assert report["block_pairs"] == 8 and isinstance(report["overhead_fraction"], float)
     assert 0 < report["hook_s_per_step"] < report["step_s"]["off"]  # the heartbeats were timed, and are a part of a step
+    assert report["goodput"] is True  # the "on" steps recorded the goodput ledger too
 
 
 @pytest.mark.slow

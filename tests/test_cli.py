@@ -158,6 +158,11 @@ def test_default_run_trains_two_processes_and_the_loss_falls(quickstart: _Run) -
     log = (run_dir / "train.log").read_text()
     for line in ("lightning-scale-train: ", "step 300/300 | train/loss", "HybridParallelStrategy: dp=2", "`Trainer.fit` stopped", "summary: "):
         assert line in log, line
+    # Where its wall time went (GoodputMonitor, on by default): one attempt, the parts adding up to the whole.
+    goodput = summary["goodput"]
+    assert (goodput["attempts"], goodput["interruptions"], goodput["lost_s"]) == (1, 0, 0.0)
+    assert 0 < goodput["goodput"] < 1 and abs(goodput["unaccounted_s"]) < 1e-6
+    assert json.loads((run_dir / "results.json").read_text())["goodput"] == goodput
     assert quickstart.elapsed_s < 180, f"the quickstart must finish in under 3 minutes on 2 cores, took {quickstart.elapsed_s:.0f} s"
 
 
@@ -207,6 +212,10 @@ def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(q
         train_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
     stopped = int(preempted.name.removeprefix("step-")) - 1  # Lightning's row index of that step
     assert train_steps == [s for s in range(9, 300, 10) if s != stopped], train_steps
+    # The goodput across the three attempts: the 20 steps after step 200 recomputed, the preemption none.
+    goodput = summary["goodput"]
+    assert (goodput["attempts"], goodput["interruptions"], goodput["hangs"]) == (3, 2, 0)
+    assert goodput["lost_s"] > 0 and goodput["mttr_s"] > 0 and abs(goodput["unaccounted_s"]) < 1e-6
 
 
 def test_bad_value_fails_fast_from_the_command_line(tmp_path: Path) -> None:

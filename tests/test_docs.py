@@ -165,7 +165,7 @@ def test_every_docs_page_is_in_the_navigation() -> None:
 
 # --- the metric table ------------------------------------------------------------------------------
 
-_PREFIXES = "train|val|test|cost|energy|memory|pipeline|stragglers|health|checkpoint|precision|plan"
+_PREFIXES = "train|val|test|cost|energy|memory|pipeline|stragglers|health|checkpoint|precision|plan|goodput"
 
 
 def _expand(name: str) -> list[str]:

@@ -114,7 +114,7 @@ def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_
 
     loop = threading.Thread(target=training_loop, name="loop")
     watchdog.start()
-    start = time.monotonic()
+    start, wall = time.monotonic(), time.time()
     loop.start()
     try:
         deadline = time.monotonic() + 20
@@ -132,6 +132,9 @@ def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_
     assert "Hang detected by rank 0 (batch 0 ran" in (tmp_path / "hang" / "summary.txt").read_text()
     (event,) = [json.loads(line) for line in (tmp_path / "hang" / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "hang" and event["exit_code"] == HANG_EXIT_CODE and event["laggards"] == []
+    # When the hung step started, by the wall clock (goodput's hang detection time): the record's time less the step's.
+    record = event["records"]["0"]
+    assert abs(record["unix_s"] - record["step_s"] - wall) < 0.2, (record, wall)
 
 
 def test_ranks_meet_in_the_store_every_one_reports_and_one_summary_names_the_one_behind(tmp_path: Path) -> None:

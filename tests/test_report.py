@@ -225,3 +225,11 @@ def test_the_report_screenshot_shows_every_plot(tmp_path: Path, sweep: str) -> N
     bar = tuple(int(PALETTE[0][i : i + 2], 16) for i in (1, 3, 5))
     assert pixels.get(bar, 0) > 5000, "the plots' bars are not on the page"  # rendered, not broken-image icons
     assert (pixels.get((0xFF, 0xF3, 0xCD), 0) > 1000) == (sweep == "layout"), "the noise warning box"
+
+
+def test_the_table_shows_each_jobs_goodput(tmp_path: Path) -> None:
+    study = _device_sweep(tmp_path, goodput={"goodput": 0.875, "total_s": 100.0, "productive_s": 87.5})
+    older = json.loads((study / "1" / "results.json").read_text())
+    (study / "1" / "results.json").write_text(json.dumps({**older, "goodput": None}))  # a job from before goodput
+    rows = _table(build_report(study).markdown.read_text())
+    assert [(r["job"], r["goodput"]) for r in rows] == [("#2 dp4-tp1-pp1", "87.5%"), ("#1 dp2-tp1-pp1", "–"), ("#0 dp1-tp1-pp1", "87.5%")]

@@ -3,6 +3,7 @@
 from lightning_scale.callbacks.checkpoint_advisor import CheckpointIntervalAdvisor
 from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.callbacks.cost import CostMonitor
+from lightning_scale.callbacks.goodput import GoodputMonitor
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
 from lightning_scale.callbacks.hang_watchdog import HangWatchdog
 from lightning_scale.callbacks.health import NumericalHealth
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointIntervalAdvisor",
     "ConsoleLogger",
     "CostMonitor",
+    "GoodputMonitor",
     "GradNormMonitor",
     "HangWatchdog",
     "MemoryMonitor",

@@ -121,12 +121,14 @@ def _table(
     """The ranking as a table; with ``base`` (tokens/s per device at the smallest device count, when
     the sweep varies devices) a scaling-efficiency column: each job's tokens/s per device over it."""
     metrics = [rank_by] + [m for m in _TABLE_METRICS if m != rank_by]
-    header = ["rank", "job", "devices", "precision", "global batch", *[METRICS[m].label for m in metrics]]
+    header = ["rank", "job", "devices", "precision", "global batch", *[METRICS[m].label for m in metrics], "goodput"]
     header += ["scaling efficiency"] if base else []
     body = []
     for i, job in enumerate(rows, 1):
+        goodput = (job.get("goodput") or {}).get("goodput") if isinstance(job.get("goodput"), dict) else None
         row = [str(i), labels[id(job)], str(job.get("world_size", "")), str(job.get("precision", "")),
-               str(job.get("global_batch_size", "")), *[_fmt(job.get(m), m) for m in metrics]]  # fmt: skip
+               str(job.get("global_batch_size", "")), *[_fmt(job.get(m), m) for m in metrics],
+               f"{float(goodput):.1%}" if isinstance(goodput, (int, float)) else "–"]  # fmt: skip
         if base:
             rate, world = job.get("tokens_per_sec"), job.get("world_size")
             row.append(f"{float(rate) / int(world) / base:.0%}" if rate is not None and world else "–")

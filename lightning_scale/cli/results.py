@@ -304,6 +304,8 @@ def job_results(
         "wandb_run_id": job.get("wandb_run_id"),
         "resumed_from": job.get("resumed_from"),
         "attempt": job.get("attempt", 0),
+        # Where the wall time went across every attempt (GoodputMonitor): goodput = productive_s / total_s.
+        "goodput": summary.get("goodput"),
         # Why tokens_per_sec may be null: "off" (no Throughput callback), "no_logging_step" (it was on, but the
         # run ended before its first logging step: trainer.log_every_n_steps), or "logged".
         "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step") if throughput_on else "off",

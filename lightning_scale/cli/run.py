@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig
 
 from lightning_scale._lightning_compat import set_batches_that_stepped
-from lightning_scale.callbacks import ConsoleLogger, PreemptionCheckpoint
+from lightning_scale.callbacks import ConsoleLogger, GoodputMonitor, PreemptionCheckpoint
 from lightning_scale.cli.environment import global_rank
 from lightning_scale.cli.job_config import instantiate, preflight
 from lightning_scale.cli.results import (
@@ -218,6 +218,9 @@ def _train(
     if final_train_loss is not None:
         summary["final_train_loss"] = float(final_train_loss)
     summary.update(telemetry)  # the telemetry callbacks' last values
+    goodput = next((c.summary for c in trainer.callbacks if isinstance(c, GoodputMonitor) and c.summary), None)
+    if goodput is not None:  # global rank 0's: where every attempt's time went (per attempt: run_dir/goodput/)
+        summary["goodput"] = {k: v for k, v in goodput.as_dict().items() if k != "per_attempt"}
     peaks = peak_memory(trainer)  # a collective: every rank
     finish_wandb(trainer)
     if trainer.is_global_zero:

@@ -3,14 +3,17 @@ times each training step against a heartbeat and, past the step's limit, has eve
 and exit with :data:`~lightning_scale.core.resilience.watchdog.HANG_EXIT_CODE`) and its report
 (:mod:`.hang_report`: each rank's record, and the summary naming the ranks that never reached the
 collective the others wait in); the straggler action (:mod:`.stragglers`: the rank slow at enough
-consecutive logging intervals, and ``exclude.json``, which a relaunch reads to leave its host out).
+consecutive logging intervals, and ``exclude.json``, which a relaunch reads to leave its host out);
+goodput across restarts (:mod:`.goodput`: a run's wall time split into productive, lost, checkpoint,
+start-up, restart and hang detection seconds from its ledger, which :mod:`.goodput_ledger` writes).
 
 May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
 :mod:`lightning_scale.core.compat_c10d` and :mod:`lightning_scale.core.checks`.
 """
 
+from lightning_scale.core.resilience.goodput import GoodputSummary, Ledger, read_ledger, summarize
 from lightning_scale.core.resilience.stragglers import STRAGGLER_EXIT_CODE, SlowStreaks, record_exclusion
 from lightning_scale.core.resilience.watchdog import HANG_EXIT_CODE, HangTimeout, StepWatchdog, hang_timeout_policy
 
-__all__ = ["HANG_EXIT_CODE", "STRAGGLER_EXIT_CODE", "HangTimeout", "SlowStreaks", "StepWatchdog", "hang_timeout_policy",
-           "record_exclusion"]
+__all__ = ["HANG_EXIT_CODE", "STRAGGLER_EXIT_CODE", "GoodputSummary", "HangTimeout", "Ledger", "SlowStreaks", "StepWatchdog",
+           "hang_timeout_policy", "read_ledger", "record_exclusion", "summarize"]

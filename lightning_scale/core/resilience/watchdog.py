@@ -274,6 +274,7 @@ class StepWatchdog:
             "phase_s": round(now - started, 3),
             "step_s": round(now - beat.step_started, 3) if beat is not None else None,
             "limit_s": round(self.limit(), 3), "where": innermost_frame(self._training_thread),
+            "unix_s": round(time.time() - (time.monotonic() - now), 3),  # when `now` was: goodput dates the hung step by it
         }  # fmt: skip
 
     def _handle(self, detected: str, now: float) -> None:
