@@ -173,3 +173,13 @@ def test_under_lightnings_ddp_strategy_the_checkpoint_is_lightnings_own_file(tmp
     record = json.loads((tmp_path / "stragglers" / "exclude.json").read_text())
     assert [(s["rank"], s["host"]) for s in record["stragglers"]] == [(1, socket.gethostname())]
     assert record["step"] == trigger and record["checkpoint"].endswith(f"step-{trigger:06d}.ckpt")
+
+
+def test_the_probe_leaves_the_trainings_random_state_alone() -> None:
+    from lightning_scale.callbacks.stragglers import _probe
+
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert _probe(torch.device("cpu")) > 0
+    assert torch.equal(torch.rand(3), expected)  # a probe at a logging step changes no dropout mask after it

@@ -31,18 +31,19 @@ class StragglerRestart(Preempted):
     checkpoint committed, and ``lightning-scale-train`` ends its processes as for a preemption)."""
 
 
-def _probe(device: torch.device, size: int = 128, repeats: int = 5) -> float:
-    """Seconds for 4 ``size``-square fp32 matmuls on ``device`` (the fastest of ``repeats`` tries, so
-    a moment of preemption does not count). On a GPU: 8 matmuls of 4096-square bf16 timed by CUDA
-    events, milliseconds of tensor-core work, so a slow or throttled GPU shows (128-square ones
-    only time their launches)."""
+def _probe(device: torch.device, size: int = 128, repeats: int = 3) -> float:
+    """Seconds for 2 ``size``-square fp32 matmuls on ``device`` (the fastest of ``repeats`` tries, so
+    a moment of preemption does not count: about 1 ms of a CPU core per logging step). On a GPU: 8
+    matmuls of 4096-square bf16 timed by CUDA events, milliseconds of tensor-core work, so a slow or
+    throttled GPU shows (128-square ones only time their launches). The operand is drawn from a generator
+    of its own: the probe leaves the training's random state alone."""
     if device.type == "cuda":
         return _cuda_probe(device, repeats=min(repeats, 3))
-    a = torch.randn(size, size, device=device)
+    a = torch.randn(size, size, device=device, generator=torch.Generator(device).manual_seed(0))
     best = float("inf")
     for _ in range(repeats):
         begin = time.perf_counter()
-        for _ in range(4):
+        for _ in range(2):
             b = a @ a
         best = min(best, time.perf_counter() - begin)
         del b
@@ -52,7 +53,7 @@ def _probe(device: torch.device, size: int = 128, repeats: int = 5) -> float:
 def _cuda_probe(device: torch.device, size: int = 4096, matmuls: int = 8, repeats: int = 3) -> float:
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     with torch.cuda.device(device):
-        a = torch.randn(size, size, device=device, dtype=dtype)
+        a = torch.randn(size, size, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
         b = torch.empty_like(a)
         torch.mm(a, a, out=b)  # warm-up: the kernel chosen
         best = float("inf")
