@@ -189,6 +189,7 @@ def main() -> None:
         "cycles": len(ratios["none"]),
         "step_s": step,
         "overhead_fraction": statistics.median(ratios["none"]) - 1,
+        "overhead_quartiles": [q - 1 for q in statistics.quantiles(ratios["none"], n=4)] if len(ratios["none"]) > 1 else None,
         "overhead_of_means": step["ours"] / step["none"] - 1,
         "ratio_vs_throughput_monitor": statistics.median(ratios["lightning"]),
         "hook_s_per_step": hooks_per_step,
