@@ -1,0 +1,193 @@
+"""Elastic world size (issue 27): the data position in samples, gradient accumulation derived from the
+micro-batch so the global batch and the optimizer's gradient stay those of any other data-parallel size,
+and the acceptance run: two torchrun agents, one lost and back, final parameters equal to a run at world 4
+throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from helpers.lightning import quiet_trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_scale.data import DataParallelSampler, TextDataModule
+from lightning_scale.data.progress import LoaderBatchProgress
+from lightning_scale.data.sampler import accumulation_steps
+from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.strategies import HybridParallelStrategy
+
+CONFIG = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
+GLOBAL_BATCH = 8
+
+
+# ---------------------------------------------------------------- the sampler: positions in samples
+
+
+def _loader_batches(sampler: DataParallelSampler, n: int | None = None) -> list[list[int]]:
+    loader = DataLoader(list(range(sampler.num_samples_total)), batch_size=sampler.local_batch_size, sampler=sampler)
+    batches = [b.tolist() for b in loader]
+    return batches if n is None else batches[:n]
+
+
+def _global_batches(dp_size: int, micro: int | None, samples: int = 103) -> list[list[int]]:
+    """Each optimizer step's samples: the union, in rank order, of its loader batches over every rank."""
+    ranks = [
+        _loader_batches(DataParallelSampler(samples, global_batch_size=8, dp_rank=r, dp_size=dp_size, micro_batch_size=micro, seed=7))
+        for r in range(dp_size)
+    ]
+    steps = accumulation_steps(8, dp_size, micro)
+    per_loader_batch = [sum((ranks[r][b] for r in range(dp_size)), []) for b in range(len(ranks[0]))]
+    return [sum(per_loader_batch[s * steps : (s + 1) * steps], []) for s in range(len(per_loader_batch) // steps)]
+
+
+def test_every_data_parallel_and_micro_batch_size_reads_the_same_global_batches_in_the_same_order() -> None:
+    reference = _global_batches(1, None)
+    assert len(reference) == 12 and all(len(b) == 8 for b in reference)  # 103 // 8; the partial batch dropped
+    for dp_size, micro, accumulation in [(1, 2, 4), (2, 2, 2), (2, 4, 1), (4, 1, 2), (4, 2, 1), (8, 1, 1)]:
+        sampler = DataParallelSampler(103, global_batch_size=8, dp_size=dp_size, micro_batch_size=micro, seed=7)
+        assert sampler.accumulation == accumulation and sampler.loader_batch_size == dp_size * micro
+        assert len(sampler) == 12 * accumulation * micro  # whole global batches only, at every size
+        assert _global_batches(dp_size, micro) == reference, (dp_size, micro)
+
+
+def test_a_position_saved_at_one_loader_batch_resumes_at_another_on_the_same_sample() -> None:
+    uninterrupted = _global_batches(1, None)
+    saver = DataParallelSampler(103, global_batch_size=8, dp_size=4, micro_batch_size=2, seed=7)  # loader batch 8
+    saver.set_epoch(0)
+    state = saver.state_dict(consumed_batches=3)
+    assert state["consumed_samples"] == 24 and state["loader_batch_size"] == 8
+    rest = []
+    for rank in range(2):
+        s = DataParallelSampler(103, global_batch_size=8, dp_rank=rank, dp_size=2, micro_batch_size=2, seed=7)
+        s.load_state_dict(state)
+        rest.append(_loader_batches(s))  # loader batches of 4 samples from sample 24 on
+    merged = [a + b for a, b in zip(*rest, strict=True)]
+    assert [merged[i] + merged[i + 1] for i in range(0, len(merged), 2)] == uninterrupted[3:]
+    # A state from before positions were counted in samples (next_batch in global batches) still resumes.
+    old = {k: v for k, v in state.items() if k not in ("consumed_samples", "loader_batch_size")} | {"next_batch": 3}
+    s = DataParallelSampler(103, global_batch_size=8, dp_size=2, micro_batch_size=2, seed=7)
+    s.load_state_dict(old)
+    assert next(iter(s)) == uninterrupted[3][0]
+
+
+def test_a_position_inside_an_accumulation_window_is_refused_where_it_is_no_whole_loader_batch() -> None:
+    state = DataParallelSampler(103, global_batch_size=8, dp_size=2, micro_batch_size=2).state_dict(consumed_batches=3)
+    assert state["consumed_samples"] == 12
+    with pytest.raises(ValueError, match=r"at 12 consumed samples of epoch 0: that is not a whole number of this run's "
+                                         r"loader batches of 8 samples \(4 data-parallel ranks x 2\).*Resume from a "
+                                         r"checkpoint saved at an optimizer step"):  # fmt: skip
+        DataParallelSampler(103, global_batch_size=8, dp_size=4, micro_batch_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved global_batch_size=8 differs from this run's 16.*micro-batch size may change"):
+        DataParallelSampler(103, global_batch_size=16, dp_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ((8, 2, 3), r"global_batch_size=8 over 2 data-parallel ranks is 4 samples per rank and optimizer step, not a whole "
+                    r"number of micro-batches of micro_batch_size=3.*Use a micro_batch_size among \[1, 2, 4\], or a "
+                    r"global_batch_size that is a multiple of 6"),
+        ((8, 2, 8), r"4 samples per rank.*micro_batch_size=8"),
+        ((8, 1, 0), r"micro_batch_size must be a positive integer or None, got 0"),
+        ((8, 3, 1), r"global_batch_size=8 does not split evenly over 3 data-parallel ranks"),
+    ],
+)
+def test_accumulation_that_does_not_divide_is_refused_naming_the_fix(sizes: tuple[int, int, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        accumulation_steps(*sizes)
+    if sizes[1] == 1:
+        with pytest.raises(ValueError, match=match):
+            TextDataModule(global_batch_size=sizes[0], micro_batch_size=sizes[2])
+
+
+def test_the_fit_loop_position_is_recounted_in_this_runs_loader_batches_or_refused() -> None:
+    def checkpoint(ready: int, loader_batch: int) -> dict[str, Any]:
+        counts = {k: ready for k in ("ready", "started", "processed", "completed")}
+        loader = {"epoch": 0, "consumed_samples": ready * loader_batch, "loader_batch_size": loader_batch, "global_batch_size": 8}
+        progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": False}
+        return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}, "epoch_loop.batch_progress": progress}}}
+
+    grown = checkpoint(ready=6, loader_batch=4)  # 3 steps at dp=2, accumulation 2
+    LoaderBatchProgress(8).on_load_checkpoint(None, None, grown)  # type: ignore[arg-type]
+    assert grown["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"] == dict.fromkeys(("ready", "started", "processed", "completed"), 3)
+    shrunk = checkpoint(ready=3, loader_batch=8)
+    LoaderBatchProgress(2).on_load_checkpoint(None, None, shrunk)  # type: ignore[arg-type]
+    assert shrunk["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 12
+    inside = checkpoint(ready=3, loader_batch=4)  # half-way through an accumulation window of 2
+    with pytest.raises(ValueError, match=r"stands at 3 loader batches of 4 samples \(total\), 12 samples: not a whole "
+                                         r"number of this run's loader batches of 8 samples"):  # fmt: skip
+        LoaderBatchProgress(8).on_load_checkpoint(None, None, inside)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the optimizer sees the same gradient
+
+
+class _Gradients(Callback):
+    """The whole gradient the optimizer is about to apply, every optimizer step (before clipping)."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad.detach().flatten().clone() for _, p in sorted(pl_module.named_parameters()) if p.grad is not None]
+        self.steps.append(torch.cat(grads))
+
+
+def _fit(devices: int, micro: int | None, *, steps: int, accumulate: int = 1, checkpoints: str | None = None,
+         ckpt_path: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train; ``checkpoints``: a checkpoint every 2 steps there (``step=2.ckpt``, ...)."""
+    seed_everything(0, verbose=False)
+    grads = _Gradients()
+    # Also for one process: Lightning's single-device strategy restores an fp64 checkpoint into the module
+    # before converting it to fp64 (1e-8 off); this one restores after set-up, exactly.
+    strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0)
+    every = [ModelCheckpoint(checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []
+    trainer = quiet_trainer(devices=devices, strategy=strategy, precision="64-true", max_steps=steps, gradient_clip_val=0.5,
+                            accumulate_grad_batches=accumulate, callbacks=[grads, *every],
+                            enable_checkpointing=bool(checkpoints))  # fmt: skip
+    module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=2)
+    data = TextDataModule(seq_len=16, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    return {"grads": grads.steps, "params": params, "accumulation": trainer.accumulate_grad_batches}
+
+
+def _gradients_at_dp2(rank: int, world: int) -> list[dict[str, Any]]:
+    return [_fit(2, 2, steps=3), _fit(2, 4, steps=3)]
+
+
+def test_two_ranks_accumulating_and_one_process_give_the_optimizer_the_same_gradient() -> None:
+    whole = _fit(1, None, steps=3)  # the global batch of 8 in one loader batch
+    micro = _fit(1, 2, steps=3)
+    assert (whole["accumulation"], micro["accumulation"]) == (1, 4)
+    (accumulating, plain), _ = run_distributed(_gradients_at_dp2, 2, timeout=180)
+    assert (accumulating["accumulation"], plain["accumulation"]) == (2, 1)
+    for name, run in {"1 process, accumulation 4": micro, "dp=2, accumulation 2": accumulating, "dp=2": plain}.items():
+        assert len(run["grads"]) == len(whole["grads"]) == 3
+        for step, (got, want) in enumerate(zip(run["grads"], whole["grads"], strict=True)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=f"{name}, step {step}")
+    # A factor of 2 anywhere (the loss not divided by the accumulation, or divided twice) is far outside that.
+    assert whole["grads"][0].norm() > 1e-3
+
+
+def test_a_checkpoint_at_one_accumulation_resumes_at_another_on_the_same_sample(tmp_path: Path) -> None:
+    uninterrupted = _fit(1, None, steps=5, checkpoints=str(tmp_path))  # loader batch 8
+    resumed = _fit(1, 2, steps=5, ckpt_path=str(tmp_path / "step=2.ckpt"))  # loader batch 2, accumulation 4
+    assert len(resumed["grads"]) == 3
+    for step, (got, want) in enumerate(zip(resumed["grads"], uninterrupted["grads"][2:], strict=True)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=f"step {step + 2}")
+    for name, value in uninterrupted["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_trainer_accumulation_that_disagrees_with_the_micro_batch_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Trainer\(accumulate_grad_batches=3\) disagrees with TextDataModule\(micro_batch_size=2\): "
+                                         r"global_batch_size=8 over 1 data-parallel ranks needs 4 micro-batches"):  # fmt: skip
+        _fit(1, 2, steps=1, accumulate=3)
+    assert _fit(1, 2, steps=1, accumulate=4)["accumulation"] == 4  # the same value is no conflict
