@@ -16,6 +16,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_scale.core.parallel.layout import Layout, resolve_layout
+from lightning_scale.core.resilience import check_launched_world, launched_sizes
 from lightning_scale.data import DataParallelSampler, TextDataModule
 from lightning_scale.data.progress import LoaderBatchProgress
 from lightning_scale.data.sampler import accumulation_steps
@@ -123,6 +125,35 @@ def test_the_fit_loop_position_is_recounted_in_this_runs_loader_batches_or_refus
     with pytest.raises(ValueError, match=r"stands at 3 loader batches of 4 samples \(total\), 12 samples: not a whole "
                                          r"number of this run's loader batches of 8 samples"):  # fmt: skip
         LoaderBatchProgress(8).on_load_checkpoint(None, None, inside)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the layout of each world, the launcher's sizes
+
+
+def test_the_layout_is_re_derived_for_each_world_keeping_tensor_and_pipeline_sizes() -> None:
+    for world, dp in [(8, 2), (4, 1)]:
+        assert resolve_layout(world, tensor_parallel=2, pipeline_parallel=2) == Layout(dp=dp, pp=2, tp=2)
+    assert resolve_layout(2) == Layout(dp=2, pp=1, tp=1) and resolve_layout(4) == Layout(dp=4, pp=1, tp=1)
+    with pytest.raises(ValueError, match=r"pipeline_parallel=2 x tensor_parallel=2 = 4 does not divide the 6 processes.*"
+                                         r"Under an elastic launch \(torchrun --nnodes=MIN:MAX\) every world the job can "
+                                         r"shrink or grow to must be a multiple of 4"):  # fmt: skip
+        resolve_layout(6, tensor_parallel=2, pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"data_parallel=4 x pipeline_parallel=1 x tensor_parallel=1 = 4 processes, but "
+                                         r"this run has 2.*data_parallel='auto' to fill it \(as an elastic launch"):  # fmt: skip
+        resolve_layout(2, data_parallel=4)
+
+
+def test_the_trainers_nodes_and_devices_must_be_the_launched_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"GROUP_WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+    assert launched_sizes(env) == {"num_nodes": 1, "devices": 2}
+    assert launched_sizes({}) is None and launched_sizes(env | {"WORLD_SIZE": "3"}) is None  # uneven nodes
+    check_launched_world(4, num_nodes=2, devices_per_node=2)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"Trainer\(num_nodes=2, devices=2\) makes 4 processes, but the launcher started 2 "
+                                         r"\(WORLD_SIZE\). This attempt of torchrun has num_nodes=1 x devices=2: pass "
+                                         r"Trainer\(\*\*lightning_scale.core.resilience.launched_sizes\(\), ...\)"):  # fmt: skip
+        check_launched_world(2, num_nodes=2, devices_per_node=2)
 
 
 # ---------------------------------------------------------------- the optimizer sees the same gradient

@@ -2,12 +2,14 @@
 times each training step against a heartbeat and, past the step's limit, has every rank write its stacks
 and exit with :data:`~lightning_scale.core.resilience.watchdog.HANG_EXIT_CODE`) and its report
 (:mod:`.hang_report`: each rank's record, and the summary naming the ranks that never reached the
-collective the others wait in).
+collective the others wait in); elastic world size (:mod:`.elastic`: the sizes torchrun's rendezvous gave
+this attempt, and the check that the Trainer's agree).
 
 May import: torch, the standard library, :mod:`lightning_scale.core.compat`,
 :mod:`lightning_scale.core.compat_c10d` and :mod:`lightning_scale.core.checks`.
 """
 
+from lightning_scale.core.resilience.elastic import check_launched_world, launched_sizes
 from lightning_scale.core.resilience.watchdog import HANG_EXIT_CODE, HangTimeout, StepWatchdog, hang_timeout_policy
 
-__all__ = ["HANG_EXIT_CODE", "HangTimeout", "StepWatchdog", "hang_timeout_policy"]
+__all__ = ["HANG_EXIT_CODE", "HangTimeout", "StepWatchdog", "check_launched_world", "hang_timeout_policy", "launched_sizes"]
