@@ -110,17 +110,19 @@ def test_accumulation_that_does_not_divide_is_refused_naming_the_fix(sizes: tupl
 
 def test_the_fit_loop_position_is_recounted_in_this_runs_loader_batches_or_refused() -> None:
     def checkpoint(ready: int, loader_batch: int) -> dict[str, Any]:
-        counts = {k: ready for k in ("ready", "started", "processed", "completed")}
+        # Saved in on_train_batch_end: that batch is ready, started and processed, not yet completed.
+        counts = {"ready": ready, "started": ready, "processed": ready, "completed": ready - 1}
         loader = {"epoch": 0, "consumed_samples": ready * loader_batch, "loader_batch_size": loader_batch, "global_batch_size": 8}
         progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": False}
         return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}, "epoch_loop.batch_progress": progress}}}
 
     grown = checkpoint(ready=6, loader_batch=4)  # 3 steps at dp=2, accumulation 2
     LoaderBatchProgress(8).on_load_checkpoint(None, None, grown)  # type: ignore[arg-type]
-    assert grown["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"] == dict.fromkeys(("ready", "started", "processed", "completed"), 3)
+    current = grown["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert current == {"ready": 3, "started": 3, "processed": 3, "completed": 2}  # the batch in flight stays one
     shrunk = checkpoint(ready=3, loader_batch=8)
     LoaderBatchProgress(2).on_load_checkpoint(None, None, shrunk)  # type: ignore[arg-type]
-    assert shrunk["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 12
+    assert shrunk["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == {"ready": 12, "started": 12, "processed": 12, "completed": 11}
     inside = checkpoint(ready=3, loader_batch=4)  # half-way through an accumulation window of 2
     with pytest.raises(ValueError, match=r"stands at 3 loader batches of 4 samples \(total\), 12 samples: not a whole "
                                          r"number of this run's loader batches of 8 samples"):  # fmt: skip
@@ -170,9 +172,18 @@ class _Gradients(Callback):
         self.steps.append(torch.cat(grads))
 
 
+class _StopAt(Callback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        trainer.should_stop = trainer.should_stop or trainer.global_step == self.step
+
+
 def _fit(devices: int, micro: int | None, *, steps: int, accumulate: int = 1, checkpoints: str | None = None,
-         ckpt_path: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Train; ``checkpoints``: a checkpoint every 2 steps there (``step=2.ckpt``, ...)."""
+         ckpt_path: str | None = None, stop_at: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train for a schedule of ``steps`` (stopping at ``stop_at``); ``checkpoints``: one every 2 steps there
+    (``step=2.ckpt``, ...)."""
     seed_everything(0, verbose=False)
     grads = _Gradients()
     # Also for one process: Lightning's single-device strategy restores an fp64 checkpoint into the module
@@ -180,7 +191,7 @@ def _fit(devices: int, micro: int | None, *, steps: int, accumulate: int = 1, ch
     strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0)
     every = [ModelCheckpoint(checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []
     trainer = quiet_trainer(devices=devices, strategy=strategy, precision="64-true", max_steps=steps, gradient_clip_val=0.5,
-                            accumulate_grad_batches=accumulate, callbacks=[grads, *every],
+                            accumulate_grad_batches=accumulate, callbacks=[grads, _StopAt(stop_at), *every],
                             enable_checkpointing=bool(checkpoints))  # fmt: skip
     module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=2)
     data = TextDataModule(seq_len=16, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
@@ -208,13 +219,15 @@ def test_two_ranks_accumulating_and_one_process_give_the_optimizer_the_same_grad
 
 
 def test_a_checkpoint_at_one_accumulation_resumes_at_another_on_the_same_sample(tmp_path: Path) -> None:
-    uninterrupted = _fit(1, None, steps=5, checkpoints=str(tmp_path))  # loader batch 8
-    resumed = _fit(1, 2, steps=5, ckpt_path=str(tmp_path / "step=2.ckpt"))  # loader batch 2, accumulation 4
-    assert len(resumed["grads"]) == 3
-    for step, (got, want) in enumerate(zip(resumed["grads"], uninterrupted["grads"][2:], strict=True)):
+    uninterrupted = _fit(1, None, steps=6, checkpoints=str(tmp_path / "a"))  # loader batch 8
+    # Shrink (loader batch 2, accumulation 4, as a smaller world), then grow back (loader batch 8 again).
+    shrunk = _fit(1, 2, steps=6, stop_at=4, ckpt_path=str(tmp_path / "a" / "step=2.ckpt"), checkpoints=str(tmp_path / "b"))
+    grown = _fit(1, None, steps=6, ckpt_path=str(tmp_path / "b" / "step=4.ckpt"))
+    assert (shrunk["accumulation"], len(shrunk["grads"]), len(grown["grads"])) == (4, 2, 2)
+    for step, (got, want) in enumerate(zip(shrunk["grads"] + grown["grads"], uninterrupted["grads"][2:], strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=f"step {step + 2}")
     for name, value in uninterrupted["params"].items():
-        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(grown["params"][name], value, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_a_trainer_accumulation_that_disagrees_with_the_micro_batch_is_refused(tmp_path: Path) -> None:

@@ -125,10 +125,7 @@ class TextDataModule(LightningDataModule):
         return accumulation_steps(self.global_batch_size, dp_size, self.micro_batch_size)
 
     def _set_accumulation(self, trainer: Any, accumulation: int) -> None:
-        """``micro_batch_size``: the Trainer accumulates ``accumulation`` loader batches per optimizer step, and a
-        checkpoint saved at another loader batch resumes at the same sample (:class:`LoaderBatchProgress`)."""
-        if self.micro_batch_size is None:
-            return
+        """``micro_batch_size``: the Trainer accumulates ``accumulation`` loader batches per optimizer step."""
         given = trainer.accumulate_grad_batches
         if given not in (1, accumulation, self._accumulation):
             raise ValueError(
@@ -143,7 +140,6 @@ class TextDataModule(LightningDataModule):
                 f"{self.micro_batch_size}) derives from the global batch. Remove one of them."
             )
         self._accumulation = trainer.accumulate_grad_batches = accumulation
-        LoaderBatchProgress.add_to(trainer, loader_batch_size=self._dp[1] * self.micro_batch_size)
 
     def _resolve(self) -> Path:
         return resolve_dataset(
@@ -160,7 +156,10 @@ class TextDataModule(LightningDataModule):
             self._dp = data_parallel_coordinates(self.trainer.strategy)
         accumulation = self.check_data_parallel(self._dp[1])
         if self.trainer is not None:
-            self._set_accumulation(self.trainer, accumulation)
+            if self.micro_batch_size is not None:
+                self._set_accumulation(self.trainer, accumulation)
+            # A checkpoint saved at another loader batch (another dp size) resumes at the same sample.
+            LoaderBatchProgress.add_to(self.trainer, loader_batch_size=self.global_batch_size // accumulation)
         self._root = self._resolve()
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("val",)}.get(stage, ("val",))
         for split in splits:

@@ -50,17 +50,19 @@ class LoaderBatchProgress(Callback):
             return
         progress = fit["epoch_loop.batch_progress"]
         for scope in ("total", "current"):
+            counts = progress[scope]
+            ready, samples = int(counts["ready"]), int(counts["ready"]) * saved
+            if samples % self.loader_batch_size:
+                raise ValueError(
+                    f"The checkpoint's fit loop stands at {ready} loader batches of {saved} samples ({scope}), {samples} "
+                    f"samples: not a whole number of this run's loader batches of {self.loader_batch_size} samples (it "
+                    "was saved inside a gradient-accumulation window). Resume from a checkpoint saved at an optimizer "
+                    "step (ModelCheckpoint), or at a data-parallel size whose loader batch divides it."
+                )
+            # The other counts trail `ready` by the batch in flight when the checkpoint was saved (one, in
+            # on_train_batch_end, which Lightning completes on restart): that batch stays one batch.
             for key in _COUNTS:
-                samples = int(progress[scope][key]) * saved
-                if samples % self.loader_batch_size:
-                    raise ValueError(
-                        f"The checkpoint's fit loop stands at {progress[scope][key]} loader batches of {saved} samples "
-                        f"({scope}), {samples} samples: not a whole number of this run's loader batches of "
-                        f"{self.loader_batch_size} samples (it was saved inside a gradient-accumulation window). "
-                        "Resume from a checkpoint saved at an optimizer step (ModelCheckpoint), or at a data-parallel "
-                        "size whose loader batch divides it."
-                    )
-                progress[scope][key] = samples // self.loader_batch_size
+                counts[key] = samples // self.loader_batch_size - (ready - int(counts[key]))
 
 
 def saved_loader_batch_size(loader_states: list[Any]) -> int | None:
