@@ -5,6 +5,14 @@ throughout."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +229,10 @@ def test_two_ranks_accumulating_and_one_process_give_the_optimizer_the_same_grad
 def test_a_checkpoint_at_one_accumulation_resumes_at_another_on_the_same_sample(tmp_path: Path) -> None:
     uninterrupted = _fit(1, None, steps=6, checkpoints=str(tmp_path / "a"))  # loader batch 8
     # Shrink (loader batch 2, accumulation 4, as a smaller world), then grow back (loader batch 8 again).
-    shrunk = _fit(1, 2, steps=6, stop_at=4, ckpt_path=str(tmp_path / "a" / "step=2.ckpt"), checkpoints=str(tmp_path / "b"))
+    with pytest.warns(UserWarning, match=r"Not saving .*step=2.ckpt: the fit is inside a gradient-accumulation window"):
+        shrunk = _fit(1, 2, steps=6, stop_at=4, ckpt_path=str(tmp_path / "a" / "step=2.ckpt"), checkpoints=str(tmp_path / "b"))
+    # Lightning's ModelCheckpoint asked to save step 2 again after the window's first micro-batch: refused.
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step=4.ckpt"]
     grown = _fit(1, None, steps=6, ckpt_path=str(tmp_path / "b" / "step=4.ckpt"))
     assert (shrunk["accumulation"], len(shrunk["grads"]), len(grown["grads"])) == (4, 2, 2)
     for step, (got, want) in enumerate(zip(shrunk["grads"] + grown["grads"], uninterrupted["grads"][2:], strict=True)):
@@ -235,3 +246,143 @@ def test_a_trainer_accumulation_that_disagrees_with_the_micro_batch_is_refused(t
                                          r"global_batch_size=8 over 1 data-parallel ranks needs 4 micro-batches"):  # fmt: skip
         _fit(1, 2, steps=1, accumulate=3)
     assert _fit(1, 2, steps=1, accumulate=4)["accumulation"] == 4  # the same value is no conflict
+
+
+# ---------------------------------------------------------------- the acceptance run: a node lost and back
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_world.py"
+STEPS, KILL_AT, REJOIN_AT, PACE_S = 40, 6, 12, 0.3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    # A fresh store per rendezvous round for the workers (their rank 0 hosts it): with torchrun's shared agent
+    # store, agents that restarted a different number of times would key their attempts differently.
+    return env | {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (torchrun starts its workers in sessions of their own, so killing the
+    agent's process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _lose_node(agent: subprocess.Popen) -> None:
+    """SIGKILL the agent and every process under it at once: a node gone."""
+    for pid in [agent.pid, *_descendants(agent.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait()
+
+
+def _events(out: Path) -> list[dict[str, Any]]:
+    path = out / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(out: Path, agents: list[subprocess.Popen], what: str, done: Any, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(done(e) for e in _events(out)):
+        failed = [a.args for a in agents if a.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what}: {failed or 'timed out'}; events: {_events(out)[-5:]}")
+        time.sleep(0.2)
+
+
+def elastic_timeline(out: Path, *, killed_at: float, rejoined_at: float) -> dict[str, float]:
+    """The wall-clock times (``time.time()``) of the run's events, for goodput accounting: when the node was
+    lost (``killed_at``), the last checkpoint committed before it (its manifest's time), when training resumed
+    at the smaller world, when the node was started again, and when training resumed at the full world.
+
+    TODO(goodput): the goodput accounting (branch ``goodput``) reads the same run; check its lost time against
+    ``resumed_small - last_commit_before_kill`` and its restart overhead against these times."""
+    commits = [json.loads(p.read_text())["created_unix_s"] for p in (out / "ckpt").glob("*/manifest.json")]
+    starts = [e for e in _events(out) if e["event"] == "start"]
+    return {
+        "killed_at": killed_at,
+        "last_commit_before_kill": max(t for t in commits if t <= killed_at),
+        "resumed_small": next(e["time"] for e in starts if e["time"] > killed_at and e["world"] == 2),
+        "rejoined_at": rejoined_at,
+        "resumed_full": next(e["time"] for e in starts if e["time"] > rejoined_at and e["world"] == 4),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_parameters_of_a_fixed_world(
+    tmp_path: Path,
+) -> None:
+    env, python = _torchrun_env(), [sys.executable, "-m", "torch.distributed.run"]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    ref = subprocess.run([*python, "--standalone", "--nproc-per-node=4", str(SCRIPT), str(reference), str(STEPS)],
+                         env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    out, port = tmp_path / "elastic", _free_port()
+    out.mkdir()
+    conf = "join_timeout=120,last_call_timeout=6,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+    def agent(name: str, host: bool) -> subprocess.Popen:
+        command = [*python, "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   "--rdzv-id=elastic-test", "--max-restarts=3", "--monitor-interval=0.5",
+                   f"--rdzv-conf={conf},is_host={int(host)}", str(SCRIPT), str(out), str(STEPS), str(PACE_S)]  # fmt: skip
+        log = (out / f"{name}.log").open("w")
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    first, second = agent("agent1", host=True), agent("agent2", host=False)
+    agents = [first, second]
+    try:
+        _wait_for(out, agents, f"step {KILL_AT} at world 4", lambda e: e["event"] == "step" and e["world"] == 4 and e["step"] >= KILL_AT)
+        killed_at = time.time()
+        _lose_node(second)
+        agents = [first]
+        _wait_for(out, agents, f"step {REJOIN_AT} at world 2", lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= REJOIN_AT)
+        rejoined_at = time.time()
+        third = agent("agent2-again", host=False)
+        agents = [first, third]
+        for a in agents:
+            a.wait(timeout=300)
+    finally:
+        for a in (first, second, *agents):
+            if a.poll() is None:
+                _lose_node(a)
+    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
+    assert [a.returncode for a in agents] == [0, 0], logs
+
+    events = _events(out)
+    starts = [(e["world"], e["accumulation"], e["step"], e["resumed_from"] is not None) for e in events if e["event"] == "start"]
+    worlds = {e["world"] for e in events if e["event"] == "step"}
+    assert starts[0] == (4, 1, 0, False) and worlds == {2, 4}, starts
+    timeline = elastic_timeline(out, killed_at=killed_at, rejoined_at=rejoined_at)
+    small = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_small"]][0]
+    assert small[:2] == (2, 2) and small[3] and KILL_AT - 2 <= small[2] <= KILL_AT + 2, starts  # the newest checkpoint
+    full = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_full"]][0]
+    assert full[:2] == (4, 1) and full[3] and full[2] >= REJOIN_AT, starts
+    at_two = sorted({e["step"] for e in events if e["event"] == "step" and e["world"] == 2})
+    assert len(at_two) >= 4 and max(at_two) < STEPS, at_two  # trained at world 2 for a while
+    assert events[-1]["event"] == "end" and (events[-1]["step"], events[-1]["world"]) == (STEPS, 4)
+    assert timeline["last_commit_before_kill"] <= timeline["killed_at"] < timeline["resumed_small"] < timeline["rejoined_at"] < timeline["resumed_full"]
+
+    want, got = torch.load(reference / "final.pt"), torch.load(out / "final.pt")
+    assert want.keys() == got.keys() and all(v.dtype == torch.float64 for v in want.values())
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11, msg=name)
