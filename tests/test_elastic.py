@@ -326,7 +326,7 @@ def elastic_timeline(out: Path, *, killed_at: float, rejoined_at: float) -> dict
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(420)
 def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_parameters_of_a_fixed_world(
     tmp_path: Path,
 ) -> None:
