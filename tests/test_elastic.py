@@ -248,6 +248,30 @@ def test_a_trainer_accumulation_that_disagrees_with_the_micro_batch_is_refused(t
     assert _fit(1, 2, steps=1, accumulate=4)["accumulation"] == 4  # the same value is no conflict
 
 
+class _StartStep(Callback):
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.step = trainer.global_step
+
+
+def _resume_where_one_rank_restarted(rank: int, world: int, root: str) -> list[int]:
+    starts = []
+    for restarted in (False, True):
+        if restarted and rank == 1:  # a node that stayed counts its restarts; one that joined starts at 0
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+        start = _StartStep()
+        every = ModelCheckpoint(Path(root) / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(hang_timeout=0), max_steps=2 + 2 * restarted,
+                                enable_checkpointing=True, callbacks=[start, every])  # fmt: skip
+        trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+        starts.append(start.step)
+    return starts
+
+
+def test_auto_resume_on_restart_is_decided_over_all_ranks(tmp_path: Path) -> None:
+    # Decided alone, rank 0 would start afresh while rank 1 waits in the collective search for "latest".
+    assert run_distributed(_resume_where_one_rank_restarted, 2, str(tmp_path), timeout=120) == [[0, 2], [0, 2]]
+
+
 # ---------------------------------------------------------------- the acceptance run: a node lost and back
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_world.py"
@@ -373,6 +397,7 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     worlds = {e["world"] for e in events if e["event"] == "step"}
     assert starts[0] == (4, 1, 0, False) and worlds == {2, 4}, starts
     timeline = elastic_timeline(out, killed_at=killed_at, rejoined_at=rejoined_at)
+    print("elastic timeline, s after the kill:", {k: round(v - killed_at, 1) for k, v in timeline.items()})
     small = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_small"]][0]
     assert small[:2] == (2, 2) and small[3] and KILL_AT - 2 <= small[2] <= KILL_AT + 2, starts  # the newest checkpoint
     full = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_full"]][0]
