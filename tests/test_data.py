@@ -160,7 +160,7 @@ def test_resumed_sampler_yields_exactly_the_uninterrupted_batches(dp_size: int) 
         first.set_epoch(1)
         seen = _batches(first, n=5)
         state = first.state_dict()
-        assert state["epoch"] == 1 and state["next_batch"] == 5
+        assert state["epoch"] == 1 and state["consumed_samples"] == 5 * 8
 
         resumed = sampler(rank)
         resumed.load_state_dict(state)

@@ -14,7 +14,8 @@ from typing_extensions import override
 
 from lightning_scale.data.dataset import TokenDataset
 from lightning_scale.data.prepare import META_FILE, _input_files, is_prepared, resolve_dataset
-from lightning_scale.data.sampler import DataParallelSampler, check_global_batch
+from lightning_scale.data.progress import LoaderBatchProgress
+from lightning_scale.data.sampler import DataParallelSampler, accumulation_steps
 
 __all__ = ["ResumableDataLoader", "TextDataModule", "data_parallel_coordinates"]
 
@@ -65,9 +66,16 @@ class TextDataModule(LightningDataModule):
         path: a prepared folder (``lightning-scale-prepare``), or text/jsonl files or a folder of
             them (prepared into ``cache_dir`` on first use). ``None``: the bundled Shakespeare corpus.
         seq_len: tokens per training sequence; at most the model's ``block_size``.
-        global_batch_size: sequences per optimizer micro-step over all data-parallel ranks
-            together; each rank loads ``global_batch_size / dp_size``. The same value gives the same
-            data at every layout.
+        global_batch_size: sequences per optimizer step over all data-parallel ranks together. The
+            same value gives the same data at every layout. Without ``micro_batch_size``: each rank
+            loads ``global_batch_size / dp_size`` per batch (and ``Trainer(accumulate_grad_batches=k)``
+            makes an optimizer step of ``k`` such global batches).
+        micro_batch_size: sequences per rank and loader batch. Then gradient accumulation is derived
+            at every ``setup`` from the data-parallel size of that run: ``accumulate_grad_batches =
+            global_batch_size / (dp_size x micro_batch_size)``, set on the Trainer, so the global
+            batch, the sample order and the optimizer's gradient stay those of any other layout (an
+            elastic restart at a smaller world accumulates more). ``ValueError`` when it does not
+            divide, or when the Trainer was given another ``accumulate_grad_batches``.
         val_fraction: share of the text held out for validation when preparing raw text.
         shuffle: reshuffle training windows every epoch (validation is never shuffled).
         seed: shuffling seed; the order depends on ``seed + epoch`` only.
@@ -85,6 +93,7 @@ class TextDataModule(LightningDataModule):
         *,
         seq_len: int = 128,
         global_batch_size: int = 16,
+        micro_batch_size: int | None = None,
         val_fraction: float = 0.01,
         shuffle: bool = True,
         seed: int = 1234,
@@ -95,23 +104,42 @@ class TextDataModule(LightningDataModule):
         super().__init__()
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        check_global_batch(global_batch_size, 1)
+        accumulation_steps(global_batch_size, 1, micro_batch_size)  # ValueError for a bad size, before any work
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if path is not None and not is_prepared(path):
             _input_files([path])  # raises a ValueError naming a missing path now, before any process starts
         self.path = None if path is None else str(path)
-        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.seq_len, self.global_batch_size, self.micro_batch_size = seq_len, global_batch_size, micro_batch_size
         self.val_fraction, self.shuffle, self.seed = val_fraction, shuffle, seed
         self.num_workers, self.text_field = num_workers, text_field
         self.cache_dir = cache_dir
         self._root: Path | None = None
         self._datasets: dict[str, TokenDataset] = {}
         self._dp = (0, 1)
+        self._accumulation: int | None = None  # what setup set on the Trainer (micro_batch_size)
 
-    def check_data_parallel(self, dp_size: int) -> None:
-        """Raise ``ValueError`` if the global batch cannot be split over ``dp_size`` ranks."""
-        check_global_batch(self.global_batch_size, dp_size)
+    def check_data_parallel(self, dp_size: int) -> int:
+        """The gradient accumulation ``dp_size`` ranks need for one global batch (1 without ``micro_batch_size``);
+        ``ValueError`` if the global batch cannot be split over them."""
+        return accumulation_steps(self.global_batch_size, dp_size, self.micro_batch_size)
+
+    def _set_accumulation(self, trainer: Any, accumulation: int) -> None:
+        """``micro_batch_size``: the Trainer accumulates ``accumulation`` loader batches per optimizer step."""
+        given = trainer.accumulate_grad_batches
+        if given not in (1, accumulation, self._accumulation):
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={given}) disagrees with TextDataModule(micro_batch_size="
+                f"{self.micro_batch_size}): global_batch_size={self.global_batch_size} over {self._dp[1]} data-parallel "
+                f"ranks needs {accumulation} micro-batches per optimizer step, which the data module sets itself. "
+                "Leave accumulate_grad_batches at 1 (or remove micro_batch_size to accumulate by hand)."
+            )
+        if any(type(cb).__name__ == "GradientAccumulationScheduler" for cb in trainer.callbacks):
+            raise ValueError(
+                "A GradientAccumulationScheduler would change the accumulation TextDataModule(micro_batch_size="
+                f"{self.micro_batch_size}) derives from the global batch. Remove one of them."
+            )
+        self._accumulation = trainer.accumulate_grad_batches = accumulation
 
     def _resolve(self) -> Path:
         return resolve_dataset(
@@ -126,7 +154,12 @@ class TextDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.trainer is not None:
             self._dp = data_parallel_coordinates(self.trainer.strategy)
-        self.check_data_parallel(self._dp[1])
+        accumulation = self.check_data_parallel(self._dp[1])
+        if self.trainer is not None:
+            if self.micro_batch_size is not None:
+                self._set_accumulation(self.trainer, accumulation)
+            # A checkpoint saved at another loader batch (another dp size) resumes at the same sample.
+            LoaderBatchProgress.add_to(self.trainer, loader_batch_size=self.global_batch_size // accumulation)
         self._root = self._resolve()
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("val",)}.get(stage, ("val",))
         for split in splits:
@@ -153,6 +186,7 @@ class TextDataModule(LightningDataModule):
         sampler = DataParallelSampler(
             dataset,
             global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
             dp_rank=dp_rank,
             dp_size=dp_size,
             shuffle=shuffle,

@@ -84,7 +84,9 @@ def resolve_layout(
             raise ValueError(
                 f"pipeline_parallel={pp} x tensor_parallel={tp} = {pp * tp} does not divide the {world_size} "
                 f"processes of this run, so data_parallel='auto' has no whole size. Use a tensor x pipeline size "
-                f"among the divisors of {world_size}: {divisors(world_size)}."
+                f"among the divisors of {world_size}: {divisors(world_size)}. Under an elastic launch (torchrun "
+                f"--nnodes=MIN:MAX) every world the job can shrink or grow to must be a multiple of {pp * tp}: choose "
+                f"MIN, MAX and --nproc-per-node so that each nodes x processes-per-node is."
             )
         data_parallel = world_size // (pp * tp)
     layout = Layout(dp=data_parallel, pp=pp, tp=tp)
@@ -92,7 +94,8 @@ def resolve_layout(
         raise ValueError(
             f"data_parallel={layout.dp} x pipeline_parallel={layout.pp} x tensor_parallel={layout.tp} = "
             f"{layout.world_size} processes, but this run has {world_size} (devices x num_nodes). Make the product "
-            f"{world_size}, e.g. data_parallel='auto' to fill it, or start {layout.world_size} processes."
+            f"{world_size}, e.g. data_parallel='auto' to fill it (as an elastic launch, whose world changes at a "
+            f"restart, needs), or start {layout.world_size} processes."
         )
     return layout
 

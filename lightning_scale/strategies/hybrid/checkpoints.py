@@ -23,7 +23,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_scale._lightning_compat import attached_trainer, wrap_resume_start
+import lightning_scale.strategies.hybrid.collectives as collectives
+from lightning_scale._lightning_compat import attached_trainer, should_accumulate, wrap_resume_start
 from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.checkpoint.ties import names_under
@@ -83,7 +84,7 @@ class ShardedCheckpoints:
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.resumed_by_latest = None
         wanted = path == "latest" or (
-            path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and restarted()))
+            path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and _any_restarted(trainer)))
         )
         if not wanted:
             return path
@@ -124,6 +125,14 @@ class ShardedCheckpoints:
         io = self.sharded(checkpoint_io)
         io.process_group = None
         module = state.module
+        if _inside_accumulation_window(module):
+            rank_zero_warn(
+                f"Not saving {filepath}: the fit is inside a gradient-accumulation window, whose gradients no checkpoint "
+                "holds (a resume would drop them, or, at another data-parallel size, be refused). Lightning's "
+                "ModelCheckpoint asks for this after a resume with accumulate_grad_batches > 1 (it saves the resumed "
+                "step again on the window's first micro-batch); that step's checkpoint exists already."
+            )
+            return
         manifest: dict[str, Any] = {
             "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "data_parallel_mode": data_parallel_mode},
             "wandb_run_id": _wandb_run_id(module),
@@ -228,6 +237,19 @@ class ShardedCheckpoints:
             )
         for optimizer, saved in zip(optimizers, states):
             state.load_optimizer_state(optimizer, saved)
+
+
+def _inside_accumulation_window(module: LightningModule) -> bool:
+    trainer = attached_trainer(module)
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING and should_accumulate(trainer)
+
+
+def _any_restarted(trainer: Trainer) -> bool:
+    """Whether any rank is a relaunch (collective: every rank must take the same path into ``latest``). Under an
+    elastic launch a node that joins (again) starts its workers with ``TORCHELASTIC_RESTART_COUNT=0`` while the
+    others count their restarts."""
+    flag = torch.tensor([int(restarted())], device=trainer.strategy.root_device)
+    return bool(collectives.reduce(flag, reduce_op="max").item())
 
 
 def _restore_rng(info: Mapping[str, Any], layout: Layout, world_size: int) -> None:

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_scale.core.parallel.layout import Layout, init_layout_mesh, resolve_layout
+from lightning_scale.core.resilience.elastic import check_launched_world
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 from lightning_scale.strategies.hybrid.state import ParallelState
 
@@ -48,10 +49,12 @@ class LayoutMesh:
         num_nodes: int,
         device_type: str,
     ) -> None:
-        """Resolve the layout (``"auto"`` sizes filled in) and check the options against it; adopt the
+        """Resolve the layout for this world (``"auto"`` sizes filled in: under an elastic launch, at every
+        restart) and check the options against it; adopt the
         mesh ``module`` was cut on by an earlier Trainer, else make one (once per layout). Collective
         over the world when a mesh is made."""
         o = options
+        check_launched_world(world_size, num_nodes=num_nodes, devices_per_node=devices_per_node)
         layout = resolve_layout(
             world_size,
             devices_per_node=devices_per_node,
