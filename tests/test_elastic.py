@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_scale.core.parallel.layout import Layout, resolve_layout
-from lightning_scale.core.resilience import check_launched_world, launched_sizes
+from lightning_scale.core.resilience import check_launched_world, launched_sizes, read_ledger, summarize
 from lightning_scale.data import DataParallelSampler, TextDataModule
 from lightning_scale.data.progress import LoaderBatchProgress
 from lightning_scale.data.sampler import accumulation_steps
@@ -336,16 +336,20 @@ def elastic_timeline(out: Path, *, killed_at: float, rejoined_at: float) -> dict
     lost (``killed_at``), the last checkpoint committed before it (its manifest's time), when training resumed
     at the smaller world, when the node was started again, and when training resumed at the full world.
 
-    TODO(goodput): the goodput accounting (branch ``goodput``) reads the same run; check its lost time against
-    ``resumed_small - last_commit_before_kill`` and its restart overhead against these times."""
-    commits = [json.loads(p.read_text())["created_unix_s"] for p in (out / "ckpt").glob("*/manifest.json")]
+    The truth goodput accounting is checked against: what the two interruptions cost is, each, the time from the
+    commit of the checkpoint the next attempt resumed from to that attempt's training (the work lost, the
+    detection, the rendezvous and the start-up)."""
+    manifests = [json.loads(p.read_text()) for p in (out / "ckpt").glob("*/manifest.json")]
+    commits = {m["global_step"]: m["created_unix_s"] for m in manifests}
     starts = [e for e in _events(out) if e["event"] == "start"]
+    full = next(e for e in starts if e["time"] > rejoined_at and e["world"] == 4)
     return {
         "killed_at": killed_at,
-        "last_commit_before_kill": max(t for t in commits if t <= killed_at),
+        "last_commit_before_kill": max(t for t in commits.values() if t <= killed_at),
         "resumed_small": next(e["time"] for e in starts if e["time"] > killed_at and e["world"] == 2),
         "rejoined_at": rejoined_at,
-        "resumed_full": next(e["time"] for e in starts if e["time"] > rejoined_at and e["world"] == 4),
+        "commit_resumed_full": commits[full["step"]],
+        "resumed_full": full["time"],
     }
 
 
@@ -406,6 +410,17 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     assert len(at_two) >= 4 and max(at_two) < STEPS, at_two  # trained at world 2 for a while
     assert events[-1]["event"] == "end" and (events[-1]["step"], events[-1]["world"]) == (STEPS, 4)
     assert timeline["last_commit_before_kill"] <= timeline["killed_at"] < timeline["resumed_small"] < timeline["rejoined_at"] < timeline["resumed_full"]
+
+    # Goodput across the four attempts: the lost work and the restarts of the two interruptions (the node lost,
+    # then the node back: torchrun stops the survivors to let it in) against the run's own clock, within 10%.
+    summary = summarize(read_ledger(out).attempts)
+    truth = (timeline["resumed_small"] - timeline["last_commit_before_kill"]) + (
+        timeline["resumed_full"] - timeline["commit_resumed_full"]
+    )
+    print(f"goodput: {summary}; the interruptions' truth {truth:.2f} s")
+    assert summary is not None and summary.interruptions == 2, summary
+    assert abs(summary.lost_s + summary.restart_s - truth) <= 0.1 * truth, (summary, truth)
+    assert 0 < summary.goodput < 1 and summary.lost_s > 0
 
     want, got = torch.load(reference / "final.pt"), torch.load(out / "final.pt")
     assert want.keys() == got.keys() and all(v.dtype == torch.float64 for v in want.values())

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_scale.callbacks import GoodputMonitor
 from lightning_scale.core.resilience import launched_sizes
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
@@ -74,6 +75,7 @@ def main(out: Path, steps: int, pace_s: float) -> None:
         enable_model_summary=False,
         callbacks=[
             Events(out, pace_s),
+            GoodputMonitor(out),  # the goodput ledger across the attempts (rank 0 of each writes it)
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"),
         ],
     )
