@@ -9,7 +9,7 @@ Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT 
 ``MixedPrecision("32-true")`` and gradient clipping at 1.0 (as the command line runs) in every variant:
 - none: no callbacks (the strategy's own preemption callback and hang watchdog in every variant);
 - ours: every callback of ``conf/callbacks/default.yaml`` but the checkpoint one, as the command line
-  instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers);
+  instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers, goodput);
 - lightning: Lightning's ``ThroughputMonitor`` alone (with ``batch_size_fn`` and ``length_fn``).
 Every callback of every variant is in the Trainer when the fit starts (so each sets itself up once, as in
 real use: ``start_hooks_s`` reports that apart); from then on the fit runs in blocks of ``--log-every``
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -58,8 +59,9 @@ def _default_callbacks() -> list[Callback]:
     from hydra.utils import instantiate
 
     GlobalHydra.instance().clear()
+    run_dir = tempfile.mkdtemp(prefix="callbacks-bench-")  # where the goodput ledger goes, as a run's would
     with initialize_config_module("lightning_scale.conf", version_base="1.3"):
-        cfg = compose("config", overrides=["run_dir=unused"])
+        cfg = compose("config", overrides=[f"run_dir={run_dir}"])
     nodes = {name: node for name, node in cfg.callbacks.items() if name != "checkpoint"}
     return [instantiate(node, _convert_="all") for node in nodes.values()]
 
