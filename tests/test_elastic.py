@@ -426,3 +426,88 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     assert want.keys() == got.keys() and all(v.dtype == torch.float64 for v in want.values())
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11, msg=name)
+
+
+# ---------------------------------------------------------------- the same from the command line
+
+
+CLI_STEPS, CLI_KILL_AT = 60, 20
+
+
+def _cli_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from lightning_scale.cli.ckpt import consolidate
+
+    (checkpoint,) = [p for p in (run_dir / "checkpoints").glob(f"*step={CLI_STEPS}.ckpt")]
+    return load_file(consolidate(checkpoint, out))
+
+
+def _checkpointed_step(run_dir: Path) -> int:
+    steps = [json.loads(p.read_text())["global_step"] for p in (run_dir / "checkpoints").glob("*step=*.ckpt/manifest.json")]
+    return max(steps, default=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_from_the_cli_a_lost_node_shrinks_the_world_in_the_run_directory_and_trains_what_a_fixed_world_does(
+    tmp_path: Path,
+) -> None:
+    """``lightning-scale-train`` under two elastic torchrun agents of one process each (world 2, accumulation 2):
+    one agent and its rank SIGKILLed after the step-20 checkpoint; the survivor restarts at world 1 (accumulation 4)
+    in the same run directory, resumes the newest checkpoint and completes; in fp64 its final weights equal a run
+    at world 2 throughout, started by Lightning's own launcher."""
+    overrides = [
+        f"trainer.max_steps={CLI_STEPS}", "trainer.val_check_interval=1000", "validate_before_fit=false",
+        "validate_after_fit=false", "precision.precision=64-true", "data.seq_len=32", "data.global_batch_size=4",
+        "data.micro_batch_size=1", "callbacks.checkpoint.every_n_train_steps=10", "logger=none",
+    ]  # fmt: skip
+    env = _torchrun_env()
+    reference = tmp_path / "reference"
+    ref = subprocess.run([sys.executable, "-m", "lightning_scale.cli.train", *overrides, "trainer.devices=2",
+                          f"hydra.run.dir={reference}"], env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    work, port = tmp_path / "elastic", _free_port()
+    work.mkdir()
+    conf = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+    def agent(name: str, host: bool) -> subprocess.Popen:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=cli-elastic", "--max-restarts=2", "--monitor-interval=0.5",
+                   f"--rdzv-conf={conf},is_host={int(host)}", "-m", "lightning_scale.cli.train", *overrides]  # fmt: skip
+        log = (work / f"{name}.log").open("w")
+        return subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    first, second = agent("agent1", host=True), agent("agent2", host=False)
+    run_dir = work / "outputs" / "torchrun-cli-elastic"  # named by --rdzv-id: the same at every restart
+    try:
+        deadline = time.monotonic() + 150
+        while _checkpointed_step(run_dir) < CLI_KILL_AT:
+            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, "no step-20 checkpoint"
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few steps past the checkpoint: work the survivor recomputes
+        _lose_node(second)
+        first.wait(timeout=200)
+    finally:
+        for a in (first, second):
+            if a.poll() is None:
+                _lose_node(a)
+    logs = {p.name: p.read_text()[-3000:] for p in work.glob("*.log")}
+    assert first.returncode == 0, logs
+    assert [p.name for p in (work / "outputs").iterdir()] == [run_dir.name], logs
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (summary["global_step"], summary["world_size"], job["attempt"]) == (CLI_STEPS, 1, 1), (summary, job)
+    assert job["layout"]["name"] == "dp1-tp1-pp1"
+    log = (run_dir / "train.log").read_text()  # every attempt's rank 0 appends to it
+    assert "dp=2 x pp=1 x tp=1 (ddp) on 2 processes" in log and "dp=1 x pp=1 x tp=1 on 1 processes" in log, log[-3000:]
+    assert summary["goodput"]["attempts"] == 2 and summary["goodput"]["interruptions"] == 1, summary["goodput"]
+    assert summary["goodput"]["lost_s"] > 0, summary["goodput"]  # the steps after the step-20 checkpoint
+
+    want = _cli_weights(reference, tmp_path / "want.safetensors")
+    got = _cli_weights(run_dir, tmp_path / "got.safetensors")
+    assert want.keys() == got.keys() and all(v.dtype == torch.float64 for v in want.values())
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11, msg=name)

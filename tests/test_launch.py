@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,5 +78,45 @@ def test_slurm_ranks_share_a_run_directory_named_by_the_job(monkeypatch: pytest.
         monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: Lightning's own launcher starts the rest
         environment.run_name.cache_clear()
         assert not environment.launched_externally() and environment.log_suffix() == ""
+    finally:
+        environment.run_name.cache_clear()
+
+
+def test_torchrun_ranks_and_restarts_share_one_run_directory_per_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_scale.cli import environment
+    from lightning_scale.cli.resolvers import launched
+
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's agent store
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "job-7", "RANK": "0",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "6"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        environment.run_name.cache_clear()
+        first = environment.run_name()  # the first attempt's rank 0 names it by its start time
+        assert environment.launched_externally() and len(first) == len("2026-11-30/06-31-02"), first
+        assert (launched("num_nodes", 1), launched("devices", 2)) == (3, 2)  # this attempt's, not the defaults
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+        monkeypatch.setenv("RANK", "1")
+        environment.run_name.cache_clear()
+        time.sleep(1.1)  # a restart seconds later, on another rank: the same directory
+        assert environment.run_name() == first
+        # Without the shared store (an elastic launch) the run id names it: no rank needs another to agree.
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+        environment.run_name.cache_clear()
+        assert environment.run_name() == "torchrun-job-7"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
+        environment.run_name.cache_clear()
+        with pytest.raises(ValueError, match=r"TORCHELASTIC_RUN_ID='none' \(no --rdzv-id\) and without its shared agent "
+                                             r"store .* Pass torchrun --rdzv-id=<a name for this run> .* or hydra.run.dir="):  # fmt: skip
+            environment.run_name()
+        with pytest.raises(ValueError, match=r"\$\{ls_launched:nodes,...\}: the first argument must be one of num_nodes, devices"):
+            launched("nodes", 1)
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # Lightning's own launcher: no run id, the defaults
+        assert not environment.launched_externally() and (launched("num_nodes", 1), launched("devices", 2)) == (1, 2)
     finally:
         environment.run_name.cache_clear()

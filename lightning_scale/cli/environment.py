@@ -10,8 +10,13 @@ Under ``torchrun`` (single- or multi-node) and SLURM's ``srun`` every rank runs
 process's clock (``${now:}``, hydra #2070) would split one run into several. The config names its
 run directory with the ``ls_run_name`` resolver instead:
 
-- torchrun: rank 0's start time, shared through the torchrun agent's store
-  (``TORCHELASTIC_USE_AGENT_STORE``), e.g. ``2026-11-30/06-31-02``;
+- torchrun (recognised by its ``TORCHELASTIC_RUN_ID``): one directory per run id, which every
+  restart keeps, so a relaunched or resized job (``--max-restarts``, an elastic ``--nnodes=MIN:MAX``)
+  finds its checkpoints and records. With torchrun's shared agent store (the default) it is the first
+  attempt's rank 0 start time, kept in that store under the run id, e.g. ``2026-11-30/06-31-02``;
+  without it (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which an elastic launch needs) nothing outlives
+  an attempt, so the name is the run id itself, ``torchrun-<--rdzv-id>`` (and refused when there is no
+  ``--rdzv-id``);
 - SLURM with several tasks: ``slurm-<job id>`` (``-<step id>`` for a job step);
 - otherwise: this process's start time.
 
@@ -58,7 +63,9 @@ _STORE_KEY = "lightning_scale/run_name"
 
 
 def _torchrun() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ
+    """torchrun started this process: every torchrun worker has a run id and its master's address
+    (Lightning's own launcher sets only the latter)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def _slurm() -> bool:
@@ -79,8 +86,19 @@ def global_rank() -> int:
 
 @cache
 def run_name() -> str:
-    """The run's directory name below ``outputs/``, the same on every rank of one launch."""
+    """The run's directory name below ``outputs/``, the same on every rank of one launch and at every
+    restart of it."""
     if _torchrun():
+        return _torchrun_run_name(os.environ["TORCHELASTIC_RUN_ID"])
+    if _slurm():
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f"-{step}" if step not in (None, "0", "batch") else "")
+    return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def _torchrun_run_name(run_id: str) -> str:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives its workers: the first attempt's rank 0 names the run, restarts read it.
         import torch.distributed as dist
 
         store = dist.TCPStore(
@@ -90,14 +108,18 @@ def run_name() -> str:
             timeout=timedelta(minutes=10),
             wait_for_workers=False,
         )
-        key = f"{_STORE_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        if global_rank() == 0:
-            store.set(key, time.strftime("%Y-%m-%d/%H-%M-%S"))
+        key = f"{_STORE_KEY}/{run_id}"
+        if global_rank() == 0:  # set only when absent: a restart keeps the first attempt's name
+            return store.compare_set(key, "", time.strftime("%Y-%m-%d/%H-%M-%S")).decode()
         return store.get(key).decode()
-    if _slurm():
-        step = os.environ.get("SLURM_STEP_ID")
-        return f"slurm-{os.environ['SLURM_JOB_ID']}" + (f"-{step}" if step not in (None, "0", "batch") else "")
-    return time.strftime("%Y-%m-%d/%H-%M-%S")
+    if run_id in ("", "none"):
+        raise ValueError(
+            f"torchrun started this process with TORCHELASTIC_RUN_ID={run_id!r} (no --rdzv-id) and without its shared "
+            "agent store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as an elastic launch needs), so its ranks and restarts "
+            "have nothing to agree on a run directory through. Pass torchrun --rdzv-id=<a name for this run> (the run "
+            "directory is then outputs/torchrun-<name> at every restart), or hydra.run.dir=<a directory>."
+        )
+    return "torchrun-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
 
 
 def log_suffix() -> str:
