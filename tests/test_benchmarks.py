@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,6 +110,28 @@ def test_planner_benchmark_prints_its_errors(tmp_path: Path) -> None:
     assert report["time_error_mean"] is report["spearman"] is report["auto_vs_best"] is None
 
 
+def test_the_callbacks_benchmark_gives_each_variant_every_position_of_an_interval_once_a_cycle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What makes the interleaved comparison fair: per cycle (3 logging intervals) each variant runs as many
+    # steps as an interval has, one at each position, so exactly one of them is a logging step (the last position).
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("callbacks_benchmark", ROOT / "benchmarks" / "callbacks.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for every in (1, 2, 3, 10, 50):
+        interleave = bench._Interleave({}, {}, every, 0, 0)
+        for cycle in range(3):
+            steps = range(cycle * 3 * every, (cycle + 1) * 3 * every)
+            assert {interleave.variant(k)[0] for k in steps} == {cycle}
+            for variant in bench.VARIANTS:
+                positions = [k % every for k in steps if interleave.variant(k)[1] == variant]
+                assert sorted(positions) == list(range(every)), (every, variant, positions)
+        # Consecutive steps change variant (a slow second of the machine falls on all three).
+        assert all(interleave.variant(k)[1] != interleave.variant(k + 1)[1] for k in range(6 * every) if (k + 1) % every)
+
+
 @pytest.mark.slow
 def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
@@ -116,8 +139,9 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
         "--threads", "1", "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
     )  # fmt: skip
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
-    # 16 steps in blocks of 2 (one logging step each), 3 blocks a cycle: cycle 0 starts in the warm-up, cycle 2 is cut short.
+    # 16 steps, cycles of 3 logging intervals of 2: cycle 0 starts in the warm-up, cycle 2 is cut short.
     assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
+    assert report["overhead_se"] is None and isinstance(report["overhead_mean"], float)  # one cycle: no spread
     assert 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
