@@ -16,8 +16,9 @@ real use: ``start_hooks_s`` reports that apart). From then on the variant change
 step the Trainer's callback list is set to that step's variant's callbacks (and the precision plugin logs the
 gradient norm on the steps of ``ours`` only, as GradNormMonitor asks it to). A cycle is three logging intervals
 (``--log-every``, the Trainer's ``log_every_n_steps``: Lightning's default of 50, or the command line's 10);
-within it the variants take turns step by step, each getting exactly one step at every position of an
-interval, the logging position included. So each variant runs one logging step per ``--log-every`` of its own
+within it the variants take turns step by step (none, ours, lightning, none, ... in even cycles, the other
+way round in odd ones), each getting exactly one step at every position of an interval, the logging position
+included. So each variant runs one logging step per ``--log-every`` of its own
 steps, as in real use, and a slowdown of the machine lasting a second or more falls on all three alike.
 A step's time is the gap between two ``on_train_batch_end`` calls on rank 0 (every callback's hooks, the
 logging steps' collectives included, and Lightning's work after the previous step); cycles starting inside
@@ -102,11 +103,14 @@ class _Interleave(Callback):
 
     def variant(self, step: int) -> tuple[int, str]:
         """The cycle and the variant of (0-based) ``step``. In interval ``j`` of a cycle (3 intervals of
-        ``every`` steps), position ``i`` goes to variant ``(i + j + 1 - every) mod 3``: each position goes to
-        each variant once a cycle, and the logging position (``every - 1``, where Lightning logs) to variant ``j``."""
+        ``every`` steps), position ``i`` goes to variant ``(j + (i + 1 - every)) mod 3`` in even cycles and
+        ``(j - (i + 1 - every)) mod 3`` in odd ones: each position goes to each variant once a cycle, the logging
+        position (``every - 1``, where Lightning logs) to variant ``j``, and over two cycles each variant
+        follows each other one equally often (whatever a step leaves to the next falls alike)."""
         interval, position = divmod(step, self.every)
         cycle, j = divmod(interval, len(VARIANTS))
-        return cycle, VARIANTS[(position + j + 1 - self.every) % len(VARIANTS)]
+        offset = (position + 1 - self.every) * (1 if cycle % 2 == 0 else -1)
+        return cycle, VARIANTS[(j + offset) % len(VARIANTS)]
 
     def _use(self, trainer: Trainer, variant: str) -> None:
         chosen = {id(c) for c in self.variants[variant]}
