@@ -90,7 +90,7 @@ LINKS: dict[str, Link] = {
         Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
         Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet per node, shared by its GPUs"),
         Link("gloo-loopback", 0.5 * GB, 500e-6, "gloo over TCP on one host, measured (torch 2.13, two processes of "
-             "one thread on an idle 2-core AMD EPYC host, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
+             "one thread on a 2-core AMD EPYC host at load average 1, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
              "at 0.3 to 0.6 GB/s per device, all-reduces at about 1 GB/s, a 4 kB collective in 0.5 ms"),
         Link("ethernet-10g", 1.25 * GB, 100e-6, "10 Gb/s Ethernet between CPU hosts"),
     )
