@@ -32,7 +32,8 @@ from lightning_scale.core.planner.shape import ModelShape
 from lightning_scale.core.planner.step_time import estimate_time
 
 __all__ = ["CALIBRATION_ENV", "CPU_FITTED", "FITTED", "Observation", "calibrated", "calibration_key", "calibration_path",
-           "cluster_from_record", "default_fit", "fit_efficiency", "load_calibration", "observation_from_record", "planner_record", "save_calibration"]
+           "cluster_from_record", "default_fit", "fit_efficiency", "load_calibration", "observation_from_record",
+           "planner_record", "save_calibration"]
 
 CALIBRATION_ENV = "LIGHTNING_SCALE_CALIBRATION"
 """The JSON file calibrations are stored in (default ``~/.cache/lightning_scale/calibration.json``)."""
@@ -190,7 +191,8 @@ def fit_efficiency(
 ) -> Efficiency:
     """The factors ``fit`` (of :class:`Efficiency`; default :func:`default_fit`) that minimise the squared
     log errors of the predicted step times, the others kept from ``base`` (default: the cluster's): a grid
-    over all of them, then Nelder and Mead's simplex from the best point. ``ValueError`` for no observations or an unknown factor."""
+    over all of them, then Nelder and Mead's simplex from the best point. ``ValueError`` for no observations
+    or an unknown factor."""
     if not observations:
         raise ValueError("fit_efficiency needs at least one measured run; found none.")
     fit = default_fit(cluster) if fit is None else tuple(fit)
