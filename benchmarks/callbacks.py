@@ -1,7 +1,7 @@
-"""What the telemetry callbacks cost a training step: the command line's default callbacks against none
-and against Lightning's ThroughputMonitor, under the package's strategy at dp=2, interleaved in one fit.
+"""What the telemetry callbacks cost a step: the command line's default callbacks against none
+and against Lightning's ThroughputMonitor, under the package's strategy at dp=2, interleaved step by step in one fit.
 
-    python benchmarks/callbacks.py                                # tiny GPT, 1,550 steps a fit, blocks of 50, 3 fits
+    python benchmarks/callbacks.py                                # tiny GPT, 1,510 steps a fit, cycles of 150, 3 fits
     python benchmarks/callbacks.py --log-every 10 --steps 1210    # the command line's logging interval
     python benchmarks/callbacks.py --steps 500 --rounds 1
 
@@ -12,19 +12,27 @@ Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT 
   instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers, goodput);
 - lightning: Lightning's ``ThroughputMonitor`` alone (with ``batch_size_fn`` and ``length_fn``).
 Every callback of every variant is in the Trainer when the fit starts (so each sets itself up once, as in
-real use: ``start_hooks_s`` reports that apart); from then on the fit runs in blocks of ``--log-every``
-steps (the Trainer's ``log_every_n_steps``: Lightning's default of 50, or the command line's 10 with
-``--log-every 10``; each block holds exactly one logging step, its last) and before each block the Trainer's callback list is set to that variant's callbacks. A cycle is
-three adjacent blocks, one per variant, the order rotating from cycle to cycle. A step's time is the gap
-between two ``on_train_batch_end`` calls on rank 0 (every callback's hooks, the logging steps'
-collectives included); blocks starting inside the first ``--warmup`` steps and the first step of every
-block are dropped, and a block's steps averaged (a median would hide the logging step).
-``overhead_fraction = ours / none - 1`` and ``ratio_vs_throughput_monitor = ours / lightning`` are the
-medians over cycles of each cycle's ratio (targets <= 0.01 and <= 1.01; the physical bound is no
-overhead at all): a cycle lasts seconds, so a shared VM's drift between fits (several per cent, more
-than the callbacks cost) cancels. The per-step hooks are also timed directly (summed per step, over
-the steps their variant ran): ``hook_fraction`` is that time over the step of ``none``, and
-``hook_ratio_vs_throughput_monitor`` the same comparison against ThroughputMonitor's hooks, timed alike.
+real use: ``start_hooks_s`` reports that apart). From then on the variant changes at every step: before each
+step the Trainer's callback list is set to that step's variant's callbacks (and the precision plugin logs the
+gradient norm on the steps of ``ours`` only, as GradNormMonitor asks it to). A cycle is three logging intervals
+(``--log-every``, the Trainer's ``log_every_n_steps``: Lightning's default of 50, or the command line's 10);
+within it the variants take turns step by step (none, ours, lightning, none, ... in even cycles, the other
+way round in odd ones), each getting exactly one step at every position of an interval, the logging position
+included. So each variant runs one logging step per ``--log-every`` of its own
+steps, as in real use, and a slowdown of the machine lasting a second or more falls on all three alike.
+A step's time is the gap between two ``on_train_batch_end`` calls on rank 0 (every callback's hooks, the
+logging steps' collectives included, and Lightning's work after the previous step); cycles starting inside
+the first ``--warmup`` steps are dropped, and a cycle's steps of one variant averaged (a median would hide
+the logging step). Per cycle, ``ours / none - 1`` and ``ours / lightning``:
+``overhead_fraction`` and ``ratio_vs_throughput_monitor`` are their medians over cycles (targets <= 0.01 and
+<= 1.01; the physical bound is no overhead at all), ``overhead_mean`` and ``ratio_vs_throughput_monitor_mean``
+their means with the standard errors ``overhead_se`` and ``ratio_vs_throughput_monitor_se`` (the cycles'
+standard deviation over the square root of their number), the precision of the comparison. The per-step
+hooks are also timed directly (summed per step, over the steps their variant ran): ``hook_fraction`` is that
+time over the step of ``none``, and ``hook_ratio_vs_throughput_monitor`` the same comparison against
+ThroughputMonitor's hooks, timed alike. Left in every variant (ours, set up once per fit): StepTimeBreakdown's
+timing wrapper around ``torch.distributed``'s Python collectives (two calls a step, microseconds) and the
+goodput monitor's thread, which rewrites a small file once a second.
 
 Prints ``BENCH callbacks {json}`` last and writes benchmarks/results/callbacks.json.
 """
@@ -32,6 +40,7 @@ Prints ``BENCH callbacks {json}`` last and writes benchmarks/results/callbacks.j
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -78,13 +87,13 @@ def _callbacks(variant: str, hooks: HookTime) -> list[Callback]:
     return []
 
 
-class _Blocks(Callback):
-    """Last in the callback list: each step's time into its block, and at each block's end the Trainer's
-    callbacks set to the next block's variant (both ranks alike: the logging steps' collectives match)."""
+class _Interleave(Callback):
+    """Last in the callback list: each step's time into its cycle and variant, and after each step the
+    Trainer's callbacks set to the next step's variant (both ranks alike: the logging steps' collectives match)."""
 
-    def __init__(self, variants: dict[str, list[Callback]], hooks: dict[str, HookTime], block: int, warmup: int, steps: int) -> None:
-        self.variants, self.hooks, self.block, self.warmup, self.steps = variants, hooks, block, warmup, steps
-        self.blocks: list[tuple[int, str, list[float]]] = []  # (cycle, variant, step gaps)
+    def __init__(self, variants: dict[str, list[Callback]], hooks: dict[str, HookTime], every: int, warmup: int, steps: int) -> None:
+        self.variants, self.hooks, self.every, self.warmup, self.steps = variants, hooks, every, warmup, steps
+        self.gaps: dict[int, dict[str, list[float]]] = {}  # cycle -> variant -> step gaps
         self.hook_s = {name: 0.0 for name in hooks}  # each variant's per-step hooks, summed over its steps
         self.steps_run = {name: 0 for name in VARIANTS}
         self._base: list[Callback] = []
@@ -93,14 +102,20 @@ class _Blocks(Callback):
         self._step = 0
 
     def variant(self, step: int) -> tuple[int, str]:
-        """The cycle and the variant of the block holding ``step`` (the order rotates from cycle to cycle)."""
-        block = step // self.block
-        cycle = block // len(VARIANTS)
-        return cycle, VARIANTS[(block + cycle) % len(VARIANTS)]
+        """The cycle and the variant of (0-based) ``step``. In interval ``j`` of a cycle (3 intervals of
+        ``every`` steps), position ``i`` goes to variant ``(j + (i + 1 - every)) mod 3`` in even cycles and
+        ``(j - (i + 1 - every)) mod 3`` in odd ones: each position goes to each variant once a cycle, the logging
+        position (``every - 1``, where Lightning logs) to variant ``j``, and over two cycles each variant
+        follows each other one equally often (whatever a step leaves to the next falls alike)."""
+        interval, position = divmod(step, self.every)
+        cycle, j = divmod(interval, len(VARIANTS))
+        offset = (position + 1 - self.every) * (1 if cycle % 2 == 0 else -1)
+        return cycle, VARIANTS[(j + offset) % len(VARIANTS)]
 
     def _use(self, trainer: Trainer, variant: str) -> None:
         chosen = {id(c) for c in self.variants[variant]}
         trainer.callbacks = [*self._base, *[c for c in self._all if id(c) in chosen], self]
+        trainer.precision_plugin.log_grad_norm = variant == "ours"  # what GradNormMonitor's setup asked for
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         # Every variant's callbacks have had their setup and start hooks; the order is the one they set up in.
@@ -112,11 +127,8 @@ class _Blocks(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         cycle, variant = self.variant(self._step)
-        first_of_block = self._step % self.block == 0
-        if first_of_block and self._step - self._step % self.block >= self.warmup:
-            self.blocks.append((cycle, variant, []))
-        elif self._last is not None and self.blocks and self.blocks[-1][:2] == (cycle, variant):
-            self.blocks[-1][2].append(now - self._last)
+        if self._last is not None and cycle * self.every * len(VARIANTS) >= self.warmup:
+            self.gaps.setdefault(cycle, {}).setdefault(variant, []).append(now - self._last)
         self.steps_run[variant] += 1
         for name, hooks in self.hooks.items():
             self.hook_s[name] += hooks.seconds
@@ -124,26 +136,27 @@ class _Blocks(Callback):
         self._step += 1
         if self._step >= self.steps:  # the last step: every callback back for the fit's end
             trainer.callbacks = [*self._all, self]
-        elif self._step % self.block == 0:
+            trainer.precision_plugin.log_grad_norm = True
+        else:
             self._use(trainer, self.variant(self._step)[1])
         self._last = time.perf_counter()
 
 
-def _fit(args: argparse.Namespace) -> tuple[_Blocks, dict[str, float]]:
-    """One fit of all three variants in blocks; the blocks and each variant's start hooks' seconds, on this rank."""
+def _fit(args: argparse.Namespace) -> tuple[_Interleave, dict[str, float]]:
+    """One fit of all three variants interleaved; the step times and each variant's start hooks' seconds, on this rank."""
     seed_everything(0, verbose=False)
     hooks = {name: HookTime() for name in ("ours", "lightning")}
     variants = {name: _callbacks(name, hooks.get(name, HookTime())) for name in VARIANTS}
-    blocks = _Blocks(variants, hooks, args.log_every, args.warmup, args.steps)
+    interleave = _Interleave(variants, hooks, args.log_every, args.warmup, args.steps)
     trainer = Trainer(
         accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD), max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, gradient_clip_val=1.0, plugins=[MixedPrecision("32-true")],
-        log_every_n_steps=args.log_every, callbacks=[*variants["ours"], *variants["lightning"], blocks],
+        log_every_n_steps=args.log_every, callbacks=[*variants["ours"], *variants["lightning"], interleave],
     )  # fmt: skip
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
-    return blocks, {name: h.start_seconds for name, h in hooks.items()}
+    return interleave, {name: h.start_seconds for name, h in hooks.items()}
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -151,40 +164,46 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     torch.set_num_threads(args.threads)
     fits = []
     for _ in range(args.rounds):
-        blocks, start_s = _fit(args)
-        fits.append(([(c, v, t) for c, v, t in blocks.blocks], blocks.hook_s, blocks.steps_run, start_s))
+        interleave, start_s = _fit(args)
+        fits.append((interleave.gaps, interleave.hook_s, interleave.steps_run, start_s))
     if rank == 0:
         queue.put(fits)
 
 
+def _spread(values: list[float]) -> tuple[float, float | None]:
+    """The mean and its standard error (None from one value)."""
+    mean = statistics.mean(values)
+    return mean, statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
 def main() -> None:
     args = fit_arguments(
-        __doc__, "callbacks", rounds=3, steps=1550, steps_help="optimizer steps per fit (a multiple of 3 blocks, plus warm-up)",
-        extra=lambda p: p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10), and the block's length"),
+        __doc__, "callbacks", rounds=3, steps=1510, steps_help="optimizer steps per fit (cycles of 3 logging intervals, plus warm-up)",
+        extra=lambda p: p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them"),
     )  # fmt: skip
     fits = run_workers(_worker, WORLD, args)
     ratios: dict[str, list[float]] = {"none": [], "lightning": []}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     hook_s = {"ours": 0.0, "lightning": 0.0}
     steps_run = dict.fromkeys(VARIANTS, 0)
-    for fit, (blocks, hooks, run, _) in enumerate(fits):
-        cycles: dict[int, dict[str, float]] = {}
-        for cycle, variant, gaps in blocks:
-            if gaps:
-                cycles.setdefault(cycle, {})[variant] = statistics.mean(gaps)
-                times[variant] += gaps
-        for means in cycles.values():
-            if len(means) == len(VARIANTS):
+    for gaps, hooks, run, _ in fits:
+        for cycle in gaps.values():
+            if all(len(cycle.get(v, [])) == args.log_every for v in VARIANTS):  # whole cycles only
+                means = {v: statistics.mean(cycle[v]) for v in VARIANTS}
                 for other in ratios:
                     ratios[other].append(means["ours"] / means[other])
+                for v in VARIANTS:
+                    times[v] += cycle[v]
         for name in hook_s:
             hook_s[name] += hooks[name]
         for name in steps_run:
             steps_run[name] += run[name]
     if not ratios["none"]:
-        raise SystemExit(f"no whole cycle of 3 blocks of {args.log_every} steps after the warm-up: raise --steps")
+        raise SystemExit(f"no whole cycle of 3 x {args.log_every} steps after the warm-up: raise --steps")
     step = {v: statistics.mean(times[v]) for v in VARIANTS}
     hooks_per_step = {name: hook_s[name] / max(1, steps_run[name]) for name in hook_s}
+    overhead_mean, overhead_se = _spread([r - 1 for r in ratios["none"]])
+    ratio_mean, ratio_se = _spread(ratios["lightning"])
     report = {
         **fit_report(args, WORLD),
         "log_every_n_steps": args.log_every,
@@ -192,8 +211,12 @@ def main() -> None:
         "step_s": step,
         "overhead_fraction": statistics.median(ratios["none"]) - 1,
         "overhead_quartiles": [q - 1 for q in statistics.quantiles(ratios["none"], n=4)] if len(ratios["none"]) > 1 else None,
+        "overhead_mean": overhead_mean,
+        "overhead_se": overhead_se,
         "overhead_of_means": step["ours"] / step["none"] - 1,
         "ratio_vs_throughput_monitor": statistics.median(ratios["lightning"]),
+        "ratio_vs_throughput_monitor_mean": ratio_mean,
+        "ratio_vs_throughput_monitor_se": ratio_se,
         "hook_s_per_step": hooks_per_step,
         "start_hooks_s": {name: statistics.median(f[3][name] for f in fits) for name in hook_s},
         "hook_fraction": hooks_per_step["ours"] / step["none"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,6 +110,74 @@ def test_planner_benchmark_prints_its_errors(tmp_path: Path) -> None:
     assert report["time_error_mean"] is report["spearman"] is report["auto_vs_best"] is None
 
 
+def test_the_callbacks_benchmark_gives_each_variant_every_position_of_an_interval_once_a_cycle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What makes the interleaved comparison fair: per cycle (3 logging intervals) each variant runs as many
+    # steps as an interval has, one at each position, so exactly one of them is a logging step (the last position).
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("callbacks_benchmark", ROOT / "benchmarks" / "callbacks.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for every in (1, 2, 3, 10, 50):
+        interleave = bench._Interleave({}, {}, every, 0, 0)
+        for cycle in range(3):
+            steps = range(cycle * 3 * every, (cycle + 1) * 3 * every)
+            assert {interleave.variant(k)[0] for k in steps} == {cycle}
+            for variant in bench.VARIANTS:
+                positions = [k % every for k in steps if interleave.variant(k)[1] == variant]
+                assert sorted(positions) == list(range(every)), (every, variant, positions)
+        # Consecutive steps change variant (a slow second of the machine falls on all three), and over two
+        # cycles each variant follows each other one as often.
+        pairs = [(interleave.variant(k)[1], interleave.variant(k + 1)[1]) for k in range(6 * every) if (k + 1) % every]
+        assert all(a != b for a, b in pairs)
+        assert len({pairs.count((a, b)) for a in bench.VARIANTS for b in bench.VARIANTS if a != b}) <= 1, pairs
+
+
+def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--from-workdir`` trains nothing: runs whose step times the planner itself made (at known factors)
+    are recalibrated and predicted back exactly, the study's own calibration left alone."""
+    import dataclasses
+
+    from lightning_scale.core.planner import Candidate, Workload, model_shape
+    from lightning_scale.core.planner.calibration import planner_record
+    from lightning_scale.core.planner.cluster import CPU_EFFICIENCY, cpu_cluster
+    from lightning_scale.core.planner.step_time import estimate_time
+    from lightning_scale.models import PRESETS
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import planner_time
+
+    shape, workload = model_shape(PRESETS["tiny"]), Workload(16, 128, "32-true")
+    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.6, overhead=3e-3, framework_collectives=3.5)
+    layouts = {"dp2": Candidate(2, 1, 1, micro_batch=8), "tp2": Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True),
+               "pp2-gpipe-m8": Candidate(1, 1, 2, schedule="gpipe", micro_batch=2),
+               "fsdp2": Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8), "dp4": Candidate(4, 1, 1, micro_batch=4),
+               "dp2-pp2": Candidate(2, 1, 2, micro_batch=2), "auto4": Candidate(4, 1, 1, micro_batch=4)}  # fmt: skip
+    for name, c in layouts.items():
+        host = cpu_cluster(devices_per_node=c.world_size, peak_flops={"float32": 8e10 / c.world_size})
+        step = estimate_time(shape, workload, c, host, truth).step_time
+        for r in range(2):
+            (tmp_path / f"{name}-r{r}").mkdir()
+            (tmp_path / f"{name}-r{r}" / "results.json").write_text(json.dumps({
+                "status": "completed", "tokens_per_sec": workload.tokens / step,
+                "planner": {"layout": c.name, "inputs": planner_record(shape, workload, c, host, 8e10 / c.world_size),
+                            "measured": {"step_time_s": step}, "error": {"step_time_s": 0.0}},
+            }))  # fmt: skip
+    (tmp_path / "calibration.json").write_text("{}")
+    configs = {name: (c.world_size, []) for name, c in layouts.items() if name != "auto4"}
+    report = planner_time.time_study(tmp_path, 0, configs, stored=True)
+    assert report["repeats"] == 2 and report["time_cases"] == 3 and report["calibrated_on"] == ["dp2", "tp2", "pp2-gpipe-m8"]
+    assert report["time_error_max"] < 0.01 and report["spearman"] == 1.0
+    assert report["planner_pick"] == report["best_4_process"] and report["planner_pick_vs_best"] == 1.0
+    assert (tmp_path / "calibration-from-workdir.json").exists() and (tmp_path / "calibration.json").read_text() == "{}"
+    (tmp_path / "dp4-r0" / "results.json").unlink()
+    (tmp_path / "dp4-r1" / "results.json").unlink()
+    with pytest.raises(ValueError, match=r"holds no finished run of dp4 .*pass the --workdir of a complete study"):
+        planner_time.time_study(tmp_path, 0, configs, stored=True)
+
+
 @pytest.mark.slow
 def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
@@ -116,8 +185,9 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
         "--threads", "1", "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
     )  # fmt: skip
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
-    # 16 steps in blocks of 2 (one logging step each), 3 blocks a cycle: cycle 0 starts in the warm-up, cycle 2 is cut short.
+    # 16 steps, cycles of 3 logging intervals of 2: cycle 0 starts in the warm-up, cycle 2 is cut short.
     assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
+    assert report["overhead_se"] is None and isinstance(report["overhead_mean"], float)  # one cycle: no spread
     assert 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key

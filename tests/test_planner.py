@@ -20,13 +20,14 @@ from helpers.plan_cli import plan_cli
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner import Candidate, Cluster, ModelShape, Workload, cluster, estimate, model_shape, module_shape, plan
-from lightning_scale.core.planner.cluster import DEVICES, LINKS
+from lightning_scale.core.planner.cluster import CPU_EFFICIENCY, DEVICES, LINKS, cpu_cluster
 from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.published import NARAYANAN_2021
 from lightning_scale.core.planner.step_time import estimate_time
 from lightning_scale.models import GPT, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = model_shape(PRESETS["tiny"])
 
 # ------------------------------------------------------------------------------------ shapes
 
@@ -243,6 +244,54 @@ def test_pipeline_bubble_is_the_schedules_predicted_share() -> None:
         terms = estimate_time(shape, workload, c, node).terms
         pipeline = sum(terms[k] for k in ("compute", "recompute", "tensor_parallel", "pipeline_transfers", "bubble"))
         assert terms["bubble"] / pipeline == pytest.approx(bubble_fraction(schedule, 4, 8, v))
+
+
+def _cpu_host(slowdown: float) -> Cluster:
+    """Two processes of this host, their cores shared ``slowdown`` ways (fixed, whatever this host has)."""
+    host = cpu_cluster(devices_per_node=2, peak_flops={"float32": 5e10})
+    return dataclasses.replace(host, device=dataclasses.replace(host.device, slowdown=slowdown))
+
+
+def test_on_a_host_whose_processes_share_cores_the_bubble_shrinks_by_their_slowdown() -> None:
+    """While one stage waits, the others' processes have its cores: the bubble (their time) runs
+    ``slowdown`` times faster; on a device of its own it is the schedule's whole share."""
+    workload, c = Workload(16, 128, "32-true"), Candidate(1, 1, 2, micro_batch=4)  # 4 micro-batches
+    eff = dataclasses.replace(CPU_EFFICIENCY, overhead=1e-3)
+    share = bubble_fraction("1f1b", 2, 4)
+    for slowdown in (1.0, 2.0):
+        terms = estimate_time(TINY, workload, c, _cpu_host(slowdown), eff).terms
+        busy = sum(terms[k] for k in ("compute", "recompute", "tensor_parallel", "pipeline_transfers", "overhead"))
+        assert terms["bubble"] == pytest.approx(busy * share / (1 - share) / slowdown)
+
+
+def test_collectives_issued_from_python_take_their_factor_of_the_links_time_and_ddps_do_not() -> None:
+    """DTensor's (tensor parallel) and FSDP2's collectives take ``framework_collectives`` times the link's
+    time; DDP's flat buckets and the pipeline's sends the link's own."""
+    workload, host = Workload(16, 128, "32-true"), _cpu_host(1.0)
+    plain, slow = CPU_EFFICIENCY, dataclasses.replace(CPU_EFFICIENCY, framework_collectives=3.0)
+    for c, term, ratio in ((Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True), "tensor_parallel", 3.0),
+                           (Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8), "data_parallel", 3.0),
+                           (Candidate(2, 1, 1, micro_batch=8), "data_parallel", 1.0),
+                           (Candidate(1, 1, 2, micro_batch=4), "pipeline_transfers", 1.0)):  # fmt: skip
+        before = estimate_time(TINY, workload, c, host, plain).terms[term]
+        assert before > 0 and estimate_time(TINY, workload, c, host, slow).terms[term] == pytest.approx(ratio * before), c.name
+
+
+def test_a_recomputed_block_pays_its_forward_share_of_the_fixed_cost_again() -> None:
+    workload, host = Workload(16, 128, "32-true"), _cpu_host(1.0)
+    eff = dataclasses.replace(CPU_EFFICIENCY, overhead=1e-3, forward_overhead=0.4)
+    none = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8), host, eff).terms
+    full = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8, checkpointing="full"), host, eff).terms
+    assert none["overhead"] == pytest.approx(4 * 1e-3) and full["overhead"] == pytest.approx(4 * 1.4 * 1e-3)
+    assert full["recompute"] == pytest.approx(none["compute"] * 4 * TINY.block_flops_per_token(128) / 3
+                                              / (TINY.flops_per_token(128)))  # fmt: skip
+
+
+def test_an_interleaved_rank_sends_and_receives_once_per_stage() -> None:
+    workload, host = Workload(16, 128, "32-true"), _cpu_host(1.0)
+    one = estimate_time(TINY, workload, Candidate(1, 1, 2, micro_batch=2), host).terms
+    two = estimate_time(TINY, workload, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2), host).terms
+    assert two["pipeline_transfers"] == pytest.approx(2 * one["pipeline_transfers"]) and one["pipeline_transfers"] > 0
 
 
 def test_a_single_device_step_is_compute_and_the_optimizer_only() -> None:

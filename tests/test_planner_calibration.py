@@ -21,10 +21,13 @@ from lightning.pytorch import LightningModule
 
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape
 from lightning_scale.core.planner.calibration import (
+    CPU_FITTED,
+    FITTED,
     Observation,
     calibrated,
     calibration_key,
     cluster_from_record,
+    default_fit,
     fit_efficiency,
     load_calibration,
     observation_from_record,
@@ -88,13 +91,19 @@ def _observations(truth: Efficiency) -> list[Observation]:
 
 
 def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
-    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, intra_link=0.17)
+    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, framework_collectives=3.4)
     observations = _observations(truth)
     fitted = fit_efficiency(observations[:3], CPU)  # three runs, three factors
-    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, intra_link fitted" in fitted.source
+    # On a CPU host the link is measured; what its frameworks' collectives cost beyond it is fitted.
+    assert "calibrated on 3 measured run(s) of cpu (compute, overhead, framework_collectives fitted" in fitted.source
     for o in observations:  # the two it never saw too
         predicted = estimate_time(o.shape, o.workload, o.candidate, CPU, fitted).step_time
         assert predicted == pytest.approx(o.step_time, rel=0.01), o.name
+    # A GPU system's default is the link's achieved share; any factors can be asked for by name.
+    assert default_fit(CPU) == CPU_FITTED and default_fit(cluster("h100-sxm")) == FITTED == ("compute", "overhead", "intra_link")
+    truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, intra_link=0.17)
+    fitted = fit_efficiency(_observations(truth)[:3], CPU, fit=FITTED)
+    assert (fitted.compute, fitted.overhead, fitted.intra_link) == pytest.approx((0.31, 2.2e-3, 0.17), rel=0.01)
     # Without calibration the CPU defaults are far off (what calibration is for).
     default = estimate_time(TINY, observations[0].workload, observations[0].candidate, CPU).step_time
     assert abs(default / observations[0].step_time - 1) > 0.5

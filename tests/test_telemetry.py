@@ -239,6 +239,66 @@ def _cost_on_two(world: int) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("cost/", "energy/"))}
 
 
+class _Part(telemetry.SharedTelemetry):
+    """Contributes ``values(rank)`` with ``op`` at each logging step, and logs ``test/<name>``: the step."""
+
+    def __init__(self, name: str, op: str, values: Any, events: list[Any]) -> None:
+        super().__init__()
+        self.name, self.op, self.values, self.events = name, op, values, events
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if telemetry.should_log(trainer):
+            step = trainer.global_step
+            self.events.append(("contributed", self.name, step))
+            telemetry.contribute(trainer, self, telemetry.Share(
+                self.values(trainer.global_rank), self.op, lambda reduced: self._finish(reduced, step),
+                then=lambda: self.events.append(("then", self.name, step)),
+            ))  # fmt: skip
+
+    def _finish(self, reduced: list[Any], step: int) -> dict[str, float]:
+        self.events.append(("finished", self.name, reduced))
+        return {f"test/{self.name}": float(step)}
+
+
+class _CountAllReduces(Callback):
+    """``first`` (first in the callback list) and the last: the telemetry's all-reduces in each step."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events, self.counts, self._n = events, [], 0
+        self.first = Callback()
+        self.first.on_train_batch_start = lambda *args: setattr(self, "_n", 0)  # type: ignore[method-assign]
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        original = torch.distributed.all_reduce
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._n += sys._getframe(1).f_globals["__name__"] == telemetry.__name__
+            return original(*args, **kwargs)
+
+        torch.distributed.all_reduce = counted
+        self._restore = lambda: setattr(torch.distributed, "all_reduce", original)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counts.append(self._n)
+        self.events.append(("published", trainer.global_step, float(trainer.callback_metrics.get("test/sum", -1))))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._restore()
+
+
+def _shared_round(world: int) -> dict[str, Any]:
+    """Three telemetry parts (sum, max, gather) with a plain callback among them, at dp=2, logging every 2nd step."""
+    seed_everything(0, verbose=False)
+    events: list[Any] = []
+    count = _CountAllReduces(events)
+    parts = [_Part("sum", "sum", lambda r: [r + 1.0, 10.0], events), Callback(),
+             _Part("max", "max", lambda r: [5.0 - r, 7.0 * r], events), _Part("gather", "gather", lambda r: [r, -r], events)]
+    trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
+                            callbacks=[count.first, *parts, count])  # fmt: skip
+    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
+    return {"events": events, "all_reduces": count.counts}
+
+
 HFU_CASES: dict[str, tuple[dict[str, int], int, str]] = {
     # (layout, layers, activation_checkpointing); selective wraps every 2nd block of each pipeline rank's.
     "dp2-full": ({"data_parallel": 2}, 3, "full"),
@@ -272,6 +332,7 @@ CASES_2: dict[str, Any] = {
     "bubble-m2": lambda w: _bubble(w, 2),
     "bubble-m8": lambda w: _bubble(w, 8),
     "stragglers": _stragglers,
+    "shared-round": _shared_round,
     **{f"hfu-{case}": (lambda w, case=case: _hfu(w, case)) for case in HFU_CASES},
 }
 
@@ -344,6 +405,24 @@ def test_a_rank_slowed_on_purpose_is_flagged_with_its_host_and_the_other_is_not(
         flagged = rank["stragglers"]
         assert flagged and {r for _, r, _, _ in flagged} == {1}, flagged
         assert all(host == socket.gethostname() and ratio > 1.3 for _, _, host, ratio in flagged)
+
+
+def test_the_telemetry_parts_of_a_logging_step_share_one_all_reduce_and_publish_before_later_callbacks(
+    two: list[dict[str, Any]],
+) -> None:
+    for rank in two:
+        events, counts = rank["shared-round"]["events"], rank["shared-round"]["all_reduces"]
+        assert counts == [0, 1, 0, 1]  # one all-reduce at each logging step (2 and 4) for the three parts
+        for step in (2, 4):
+            start = events.index(("contributed", "sum", step))
+            assert events[start:start + 10] == [
+                ("contributed", "sum", step), ("contributed", "max", step), ("contributed", "gather", step),
+                ("finished", "sum", [1.0 + 2.0, 20.0]),  # summed over the ranks
+                ("finished", "max", [5.0, 7.0]),  # the largest of each
+                ("finished", "gather", [[0.0, 0.0], [1.0, -1.0]]),  # every rank's, by rank
+                ("then", "sum", step), ("then", "max", step), ("then", "gather", step),
+                ("published", step, float(step)),  # in callback_metrics before the callbacks after them run
+            ]
 
 
 def test_stragglers_and_advisor_reject_bad_arguments() -> None:

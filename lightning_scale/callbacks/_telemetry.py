@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_scale._lightning_compat import log_metrics, should_accumulate, should_update_logs
 from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
 
-__all__ = ["Duration", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp",
-           "publish", "reduce_sum", "replicas", "should_log"]
+__all__ = ["Duration", "Share", "SharedTelemetry", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "contribute",
+           "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
+           "should_log"]
 
 clock: Callable[[], float] = time.perf_counter
 """Every telemetry callback's clock (tests patch it)."""
@@ -230,16 +231,104 @@ def batch_tokens(batch: Any, shape_fn: Callable[[Any], tuple[int, int]] | None) 
     return int(shape[0]), int(shape[1])
 
 
-def reduce_sum(trainer: Trainer, values: Iterable[float], op: Any = None) -> list[float]:
-    """Sum (or ``op``, e.g. ``dist.ReduceOp.MAX``) over every process: one all-reduce of float64
-    numbers; none when not distributed."""
-    values = list(values)
-    if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
-        return values
+def _distributed(trainer: Trainer) -> bool:
+    return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+
+
+def _all_reduce(trainer: Trainer, values: list[float], op: Any = None) -> list[float]:
+    """One all-reduce of float64 numbers (on the GPU under NCCL: one host sync, to read them)."""
     device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
     return tensor.tolist()
+
+
+def reduce_sum(trainer: Trainer, values: Iterable[float], op: Any = None) -> list[float]:
+    """Sum (or ``op``, e.g. ``dist.ReduceOp.MAX``) over every process: one all-reduce of float64
+    numbers; none when not distributed."""
+    values = list(values)
+    return _all_reduce(trainer, values, op) if _distributed(trainer) else values
+
+
+class Share(NamedTuple):
+    """A telemetry callback's part of a logging step's one collective (:func:`contribute`)."""
+
+    values: Sequence[float]
+    """This process's numbers (as many on every process)."""
+    op: Literal["sum", "max", "gather"]
+    """Each number's sum or maximum over the processes, or ``"gather"``: every process's numbers, by rank."""
+    finish: Callable[[list[Any]], Mapping[str, float]]
+    """The reduced numbers (``"gather"``: a list per process) -> the metrics to publish."""
+    prog_bar: tuple[str, ...] = ()
+    then: Callable[[], Any] | None = None
+    """Called after every part's metrics were published (an action the metrics decide)."""
+
+
+class SharedTelemetry(TimedCallback):
+    """Base of the callbacks that publish through :func:`contribute` at every logging step (each of them on
+    every process): those of one Trainer share one collective per logging step, whichever of them it holds."""
+
+
+_ROUND = "_lightning_scale_telemetry_round"
+
+
+class _Round:
+    def __init__(self) -> None:
+        self.step = -1
+        self.parts: list[Share] = []
+
+
+def contribute(trainer: Trainer, callback: SharedTelemetry, share: Share) -> None:
+    """At a logging step, ``callback``'s part of the step's telemetry. Once the last :class:`SharedTelemetry`
+    callback in ``trainer.callbacks`` contributed (at once when ``callback`` is not there): one all-reduce of
+    every part's numbers (float64; none when not distributed or there are none), each part's ``finish``, one :func:`publish` of
+    all their metrics, then each ``then``. The callbacks' hooks run in list order on every process, so the
+    processes reduce alike; a part still pending at a later step (a callback that did not contribute) is
+    reduced first then."""
+    round_ = trainer.__dict__.get(_ROUND)
+    if round_ is None:
+        round_ = trainer.__dict__[_ROUND] = _Round()
+    step = trainer.global_step
+    if round_.parts and round_.step != step:
+        _reduce_round(trainer, round_)
+    round_.step = step
+    round_.parts.append(share)
+    members = [c for c in trainer.callbacks if isinstance(c, SharedTelemetry)]
+    if callback not in members or members[-1] is callback:
+        _reduce_round(trainer, round_)
+
+
+def _reduce_round(trainer: Trainer, round_: _Round) -> None:
+    parts, round_.parts = round_.parts, []
+    sums = [float(v) for part in parts if part.op == "sum" for v in part.values]
+    own = [float(v) for part in parts if part.op != "sum" for v in part.values]  # every process's, by rank
+    if _distributed(trainer) and (sums or own):
+        # Sums and per-process numbers in one all-reduce: this process's in its own row of zeros.
+        world, rank = dist.get_world_size(), dist.get_rank()
+        flat = [*sums, *[0.0] * (world * len(own))]
+        flat[len(sums) + rank * len(own):len(sums) + (rank + 1) * len(own)] = own
+        flat = _all_reduce(trainer, flat)
+    else:
+        world, flat = 1, [*sums, *own]
+    rows = [flat[len(sums) + r * len(own):len(sums) + (r + 1) * len(own)] for r in range(world)]
+    metrics: dict[str, float] = {}
+    prog_bar: list[str] = []
+    at_sum = at_row = 0
+    for part in parts:
+        n = len(part.values)
+        if part.op == "sum":
+            reduced: list[Any] = flat[at_sum:at_sum + n]
+            at_sum += n
+        else:
+            gathered = [row[at_row:at_row + n] for row in rows]
+            at_row += n
+            reduced = gathered if part.op == "gather" else [max(column) for column in zip(*gathered)]
+        metrics.update(part.finish(reduced))
+        prog_bar += part.prog_bar
+    publish(trainer, metrics, prog_bar)
+    for part in parts:
+        if part.then is not None:
+            part.then()
 
 
 def should_log(trainer: Trainer) -> bool:
@@ -252,7 +341,8 @@ def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[s
     ``EarlyStopping`` read them) and the progress bar (the ``prog_bar`` keys)."""
     if not metrics:
         return
-    tensors = {k: torch.tensor(float(v)) for k, v in metrics.items()}
+    # One tensor, a 0-d view of it per metric (a tensor each would cost ~30x more at 30 metrics).
+    tensors = dict(zip(metrics, torch.tensor([float(v) for v in metrics.values()]).unbind()))
     trainer.callback_metrics.update(tensors)
     trainer.progress_bar_metrics.update({k: float(metrics[k]) for k in prog_bar if k in metrics})
     if trainer.is_global_zero:

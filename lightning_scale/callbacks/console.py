@@ -79,7 +79,8 @@ class ConsoleLogger(Callback):
         if step == self._last_step or (step % self.every_n_steps and not last):
             return
         parts = [f"step {step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
-        parts += [self._fmt(m, trainer.callback_metrics[m]) for m in self.metrics if m in trainer.callback_metrics]
+        logged = trainer.callback_metrics  # (each reading of the property assembles the metrics anew)
+        parts += [self._fmt(m, logged[m]) for m in self.metrics if m in logged]
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
         now = time.perf_counter()

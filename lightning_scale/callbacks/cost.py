@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -50,7 +50,7 @@ class _Energy:
         return used
 
 
-class CostMonitor(Callback):
+class CostMonitor(telemetry.SharedTelemetry):
     """Log what the run costs: ``cost/usd`` (cumulative), ``cost/usd_per_1m_tokens``,
     ``cost/projected_usd`` and ``cost/projected_hours`` (at the recent step time, to ``max_steps``),
     ``cost/usd_to_target`` and ``cost/hours_to_target`` once ``target_loss`` is reached, and
@@ -60,7 +60,8 @@ class CostMonitor(Callback):
     Time is wall time from the start of ``fit`` on every device of the world (validation and
     checkpointing included: the devices are paid for). Tokens are counted per data-parallel replica
     (every replica gets equal batches from Lightning's distributed sampler), without synchronisation;
-    energy is summed over the processes with one all-reduce at Lightning's logging steps.
+    energy is summed over the processes in the logging step's one all-reduce (shared with the other
+    telemetry callbacks).
 
     Args:
         price_per_device_hour: USD per device-hour, overriding the table
@@ -88,6 +89,7 @@ class CostMonitor(Callback):
         for name, value in (("price_per_device_hour", price_per_device_hour), ("grid_kg_co2_per_kwh", grid_kg_co2_per_kwh)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"{name}={value!r} must be a non-negative number (or None).")
+        super().__init__()
         self.multiplier = price_multiplier(pricing)
         self.price_per_device_hour = price_per_device_hour
         self.target_loss = target_loss
@@ -147,36 +149,46 @@ class CostMonitor(Callback):
         )
         return price.usd_per_device_hour * self.multiplier
 
-    def _advance(self, trainer: Trainer, *, collective: bool) -> None:
-        """Book the time, tokens (and, when ``collective``, every process's energy) since the last booking."""
+    def _advance(self, trainer: Trainer) -> tuple[list[float], Callable[[list[float]], None]]:
+        """Take the time and tokens since the last booking (and this process's energy, when every process
+        reads it): the numbers to sum over the processes, and what books everything once they are summed."""
         now = telemetry.clock()
-        assert self._last_time is not None
+        assert self._last_time is not None and self._world is not None
         seconds, steps = now - self._last_time, trainer.global_step - self._last_step
         if steps > 0:
             self._seconds_per_step = seconds / steps
-        joules = None
-        if collective:
-            own = self._energy.take()
-            total, readable = telemetry.reduce_sum(trainer, [own or 0.0, float(own is not None)])
-            joules = total if readable == trainer.world_size else None
-        assert self._world is not None
-        self.meter.advance(seconds, self._world[0], self._tokens * self._world[1], joules)
+        devices, tokens = self._world[0], self._tokens * self._world[1]
         self._tokens, self._last_time, self._last_step = 0.0, now, trainer.global_step
+        if not self._energy_collective:
+            return [], lambda _: self.meter.advance(seconds, devices, tokens)
+        own = self._energy.take()
 
-    def _publish(self, trainer: Trainer) -> None:
-        metrics = self.meter.metrics(
+        def book(energy: list[float]) -> None:
+            joules, readable = energy
+            self.meter.advance(seconds, devices, tokens, joules if readable == devices else None)
+
+        return [own or 0.0, float(own is not None)], book
+
+    def _metrics(self, trainer: Trainer) -> dict[str, float]:
+        return self.meter.metrics(
             steps_done=trainer.global_step,
             max_steps=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None,
             devices=trainer.world_size,
             seconds_per_step=self._seconds_per_step,
             grid_kg_co2_per_kwh=self.grid,
         )
-        telemetry.publish(trainer, metrics, prog_bar=("cost/usd",))
 
     def _check_target(self, trainer: Trainer) -> None:
+        if self.target_loss is None:
+            return
         value = trainer.callback_metrics.get(self.monitor)
-        if self.target_loss is not None and value is not None and float(value) <= self.target_loss:
+        if value is not None and float(value) <= self.target_loss:
             self.meter.reach_target(trainer.global_step)
+
+    def _logging_step(self, trainer: Trainer, book: Callable[[list[float]], None], energy: list[float]) -> dict[str, float]:
+        book(energy)
+        self._check_target(trainer)
+        return self._metrics(trainer)
 
     @override
     def on_train_batch_end(
@@ -185,19 +197,21 @@ class CostMonitor(Callback):
         samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
         self._tokens += samples * seq_len
         if telemetry.should_log(trainer):
-            self._advance(trainer, collective=self._energy_collective)
-            self._check_target(trainer)
-            self._publish(trainer)
+            energy, book = self._advance(trainer)
+            telemetry.contribute(trainer, self, telemetry.Share(
+                energy, "sum", lambda summed: self._logging_step(trainer, book, summed), prog_bar=("cost/usd",)))  # fmt: skip
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
         if not trainer.sanity_checking and self.monitor.startswith("val"):
             self._check_target(trainer)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._advance(trainer, collective=self._energy_collective)
-        self._publish(trainer)
+        energy, book = self._advance(trainer)
+        book(telemetry.reduce_sum(trainer, energy) if energy else [])  # every process alike
+        telemetry.publish(trainer, self._metrics(trainer), prog_bar=("cost/usd",))
         self._last_time = self._world = None
 
     @override

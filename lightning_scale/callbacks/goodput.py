@@ -30,14 +30,15 @@ GOODPUT_METRICS = {
 _fits_in_process = 0  # the first fit of a process counts its start-up from the process's start
 
 
-class GoodputMonitor(telemetry.TimedCallback):
+class GoodputMonitor(telemetry.SharedTelemetry):
     """Record where the run's wall time goes, across restarts, and log ``goodput/...`` at logging steps.
 
     Global rank 0 appends the attempt's events to ``<dirpath>/goodput/events.jsonl`` (its process start and the
     checkpoint it resumed, its first step, each checkpoint save with the seconds it blocked training, its end)
     and a thread of its own rewrites ``goodput/progress-<attempt>.json`` every ``progress_s`` seconds (the last
     time it was alive, and its step): all a SIGKILLed attempt leaves. The other ranks do nothing. Per training
-    step: one attribute store; no collective, host sync or file write.
+    step: one attribute store; no collective, host sync or file write (the metrics are published with the
+    other telemetry callbacks' at logging steps, and add no numbers to their reduction).
     :func:`lightning_scale.core.resilience.goodput.read_ledger` and ``summarize`` turn the ledger (with the hang
     watchdog's ``hang/events.jsonl``) into productive, lost, checkpoint, start-up, restart, rendezvous and hang
     detection seconds, goodput and the mean time to recover; :attr:`summary` holds them after the fit. An attempt
@@ -96,15 +97,17 @@ class GoodputMonitor(telemetry.TimedCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        progress = self._progress
-        if progress is None:
-            return
-        progress.step = trainer.global_step
-        if telemetry.should_log(trainer):
-            summary = summarize(self._ledger.attempts, now=time.time())
-            if summary is not None:
-                values = {name: getattr(summary, field) for name, field in GOODPUT_METRICS.items()}
-                telemetry.publish(trainer, {k: v for k, v in values.items() if v is not None})
+        if self._progress is not None:
+            self._progress.step = trainer.global_step
+        if telemetry.should_log(trainer):  # published with the other telemetry (every process takes part)
+            telemetry.contribute(trainer, self, telemetry.Share((), "sum", lambda _: self._metrics()))
+
+    def _metrics(self) -> dict[str, float]:
+        summary = summarize(self._ledger.attempts, now=time.time()) if self._progress is not None else None
+        if summary is None:
+            return {}
+        values = {name: getattr(summary, field) for name, field in GOODPUT_METRICS.items()}
+        return {k: v for k, v in values.items() if v is not None}
 
     def _saved(self, trainer: Trainer, seconds: float) -> None:
         if self._progress is not None:

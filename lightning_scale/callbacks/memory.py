@@ -6,7 +6,6 @@ import resource
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
@@ -30,7 +29,7 @@ def _peak_resident_bytes() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
-class MemoryMonitor(telemetry.TimedCallback):
+class MemoryMonitor(telemetry.SharedTelemetry):
     """Log memory at Lightning's logging steps, the largest value over the processes.
 
     On a GPU (CUDA's caching allocator), for the interval since the last logging step:
@@ -40,7 +39,8 @@ class MemoryMonitor(telemetry.TimedCallback):
     fragmentation or of running at the edge) and ``memory/ooms``. Elsewhere (CPU):
     ``memory/rss_gib`` (resident now) and ``memory/peak_rss_gib`` (the process's peak).
 
-    One all-reduce (max) of a few numbers at each logging step; the peaks are reset after each reading.
+    A few numbers in the logging step's one all-reduce (shared with the other telemetry callbacks); the
+    peaks are reset after each reading.
     """
 
     @override
@@ -54,7 +54,8 @@ class MemoryMonitor(telemetry.TimedCallback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if telemetry.should_log(trainer):
-            telemetry.publish(trainer, self.compute(trainer))
+            mine = self.read()
+            telemetry.contribute(trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top))))
 
     def read(self) -> dict[str, float]:
         """This process's figures (see the class doc)."""
@@ -72,8 +73,3 @@ class MemoryMonitor(telemetry.TimedCallback):
         # getrusage's peak lags the resident set (the kernel updates it lazily): it read 0.02% below
         # the resident set read just before it, so the peak is at least the resident set now.
         return {"memory/rss_gib": resident / _GIB, "memory/peak_rss_gib": max(_peak_resident_bytes(), resident) / _GIB}
-
-    def compute(self, trainer: Trainer) -> dict[str, float]:
-        """The largest value of each figure over the processes (one all-reduce when distributed)."""
-        mine = self.read()
-        return dict(zip(mine, telemetry.reduce_sum(trainer, mine.values(), op=dist.ReduceOp.MAX), strict=True))

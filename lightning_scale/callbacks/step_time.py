@@ -17,7 +17,7 @@ __all__ = ["StepTimeBreakdown"]
 _PARTS = ("data", "compute", "comm", "optimizer", "checkpoint")
 
 
-class StepTimeBreakdown(telemetry.TimedCallback):
+class StepTimeBreakdown(telemetry.SharedTelemetry):
     """Log ``train/step_time/{data,compute,comm,optimizer,checkpoint,total}`` (seconds per optimizer step,
     averaged over the processes and the steps since the last logging step) and, under pipeline
     parallelism, ``train/step_time/bubble``, ``pipeline/bubble_measured`` next to
@@ -40,7 +40,8 @@ class StepTimeBreakdown(telemetry.TimedCallback):
       schedule's time; ``pipeline/bubble_predicted`` the schedule's ideal share
       (``core.pipeline.partition.bubble_fraction``).
 
-    Validation inside ``fit`` is excluded. One all-reduce at each logging step.
+    Validation inside ``fit`` is excluded. The sums go into the logging step's one all-reduce (shared with
+    the other telemetry callbacks).
 
     On a GPU every span edge is a CUDA event recorded on the current stream, and the spans are read at
     logging steps: each span is the GPU's time between its edges (kernels launched ahead of the host
@@ -132,30 +133,32 @@ class StepTimeBreakdown(telemetry.TimedCallback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._mark is None:
-            return
-        self._close("optimizer" if self._optimizer_at is not None else "compute", self._now())
-        self._optimizer_at = None
-        if should_accumulate(trainer):
-            return
-        self._steps += 1
-        if telemetry.should_log(trainer):
-            telemetry.publish(trainer, self.compute(trainer))
+        if self._mark is not None:  # (None: a step this callback did not see begin)
+            self._close("optimizer" if self._optimizer_at is not None else "compute", self._now())
+            self._optimizer_at = None
+            if not should_accumulate(trainer):
+                self._steps += 1
+        if telemetry.should_log(trainer):  # every process contributes to the logging step's reduction
+            telemetry.contribute(trainer, self, telemetry.Share(self._take(), "sum", lambda totals: self._metrics(trainer, totals)))
 
-    def compute(self, trainer: Trainer) -> dict[str, float]:
-        """Per-step means over the processes since the last call (one all-reduce when distributed)."""
+    def _take(self) -> list[float]:
+        """This process's sums since the last logging step (and its pipeline stage's times), and a new start."""
         self._settle()
         values = [self._sums[p] for p in _PARTS] + [float(self._steps)]
         runner = self._pipeline
-        pp = runner.pp_size if runner is not None else 0
         if runner is not None:
             step_s, compute_s, _ = self._timer.take()
-            stage = [0.0] * (2 * pp)
+            stage = [0.0] * (2 * runner.pp_size)
             stage[2 * runner.pp_rank], stage[2 * runner.pp_rank + 1] = compute_s, step_s - compute_s
             values += [step_s, compute_s, *stage]
-        totals = telemetry.reduce_sum(trainer, values)
-        world, steps = trainer.world_size, totals[len(_PARTS)] / trainer.world_size
         self._sums, self._steps = dict.fromkeys(_PARTS, 0.0), 0
+        return values
+
+    def _metrics(self, trainer: Trainer, totals: list[float]) -> dict[str, float]:
+        """Per-step means over the processes, from their summed sums."""
+        runner = self._pipeline
+        pp = runner.pp_size if runner is not None else 0
+        world, steps = trainer.world_size, totals[len(_PARTS)] / trainer.world_size
         if steps <= 0:
             return {}
         per_step = {p: totals[i] / world / steps for i, p in enumerate(_PARTS)}

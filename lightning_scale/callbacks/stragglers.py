@@ -68,7 +68,7 @@ def _cuda_probe(device: torch.device, size: int = 4096, matmuls: int = 8, repeat
     return best
 
 
-class StragglerMonitor(telemetry.TimedCallback):
+class StragglerMonitor(telemetry.SharedTelemetry):
     """Flag ranks slower than ``factor`` x the median rank, naming rank, host and ratio.
 
     Synchronous training makes every rank's wall time per step the same (the fast ones wait for
@@ -81,7 +81,8 @@ class StragglerMonitor(telemetry.TimedCallback):
     - ``probe``: at each logging step, a fixed matmul on its device (the fastest of a few tries):
       a slow or throttled device shows here even when its slowness hides in collectives.
 
-    Both are gathered at Lightning's logging steps (one all-reduce of two numbers per rank); global
+    Both are gathered at Lightning's logging steps (two numbers per rank in the logging step's one
+    all-reduce, shared with the other telemetry callbacks); global
     rank 0 warns naming each slow rank, its host, which measure and its ratio, and every rank logs
     ``stragglers/count`` and ``stragglers/max_ratio``. ``flagged`` keeps
     ``(step, rank, host, ratio)`` of every report.
@@ -160,26 +161,27 @@ class StragglerMonitor(telemetry.TimedCallback):
             return
         self._steps += 1
         if telemetry.should_log(trainer):
-            telemetry.publish(trainer, self.compute(trainer))
-            due = self.streaks.update(self._last_ratios) if self.action == "restart" else {}
-            if due:
-                self._restart(trainer, due)
+            local = self._local + (self._timer.take()[1] if self._timer is not None else 0.0)
+            mine = [local / max(1, self._steps), _probe(trainer.strategy.root_device) if self.probe else 0.0]
+            self._local, self._steps = 0.0, 0
+            telemetry.contribute(trainer, self, telemetry.Share(
+                mine, "gather", lambda times: self._judge(trainer, times), then=lambda: self._act(trainer)))  # fmt: skip
         self._mark = self._clock.now()  # after the logging step's own work
 
-    def compute(self, trainer: Trainer) -> dict[str, float]:
-        local = self._local
-        if self._timer is not None:
-            local += self._timer.take()[1]
-        world, rank = trainer.world_size, trainer.global_rank
-        mine = [0.0] * (2 * world)
-        mine[rank] = local / max(1, self._steps)
-        mine[world + rank] = _probe(trainer.strategy.root_device) if self.probe else 0.0
-        times = telemetry.reduce_sum(trainer, mine)
-        self._local, self._steps = 0.0, 0
+    def _act(self, trainer: Trainer) -> None:
+        """After the logging step's metrics: the restart, when due; the local time restarts after the reduction."""
+        due = self.streaks.update(self._last_ratios) if self.action == "restart" else {}
+        if due:
+            self._restart(trainer, due)
+        self._mark = self._clock.now()
+
+    def _judge(self, trainer: Trainer, gathered: list[list[float]]) -> dict[str, float]:
+        """Flag the slow ranks from every rank's ``[local time per step, probe]``."""
         slow: dict[int, str] = {}
         self._last_ratios = {}
         worst = 0.0
-        for name, values in (("local time per step", times[:world]), ("matmul probe", times[world:])):
+        for column, name in enumerate(("local time per step", "matmul probe")):
+            values = [row[column] for row in gathered]
             median = statistics.median(values)
             if median <= 0:
                 continue

@@ -30,14 +30,14 @@ class _Mark(NamedTuple):
     recomputed: float
 
 
-class Throughput(telemetry.TimedCallback):
+class Throughput(telemetry.SharedTelemetry):
     """Log throughput and model FLOPs utilisation at Lightning's logging steps.
 
     Tokens are counted per **data-parallel replica**: every process of a replica (its tensor and
     pipeline ranks) sees the same batch, so the processes' counts are summed and divided by the
     processes per replica. Rates are over the last ``window`` optimizer steps (validation inside
-    ``fit`` excluded), timed by each process's own clock; the only synchronisation is one all-reduce
-    of a few numbers at each logging step.
+    ``fit`` excluded), timed by each process's own clock; the only synchronisation is a few numbers in
+    the logging step's one all-reduce (shared with the other telemetry callbacks).
 
     MFU is ``FLOPs per token x tokens/s / (devices x peak)``: FLOPs per token from the model
     (:mod:`lightning_scale.core.telemetry.model_facts`: a ``flops_per_token(seq_len)`` hook, the analytic
@@ -124,6 +124,7 @@ class Throughput(telemetry.TimedCallback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.facts = telemetry.model_facts(trainer, pl_module)
         self._uncut = not hasattr(trainer.strategy, "model_facts")
+        self._per_replica = trainer.world_size / telemetry.replicas(trainer)  # processes per replica
         self._peak, self._measured_peak = self._find_peak(trainer)
         self._marks.clear()
         self._totals = [0.0, 0.0, 0.0, 0.0]
@@ -208,23 +209,20 @@ class Throughput(telemetry.TimedCallback):
             return
         self._marks.append(_Mark(self._clock.now(), *self._totals))
         if telemetry.should_log(trainer):
-            telemetry.publish(trainer, self.compute(trainer), prog_bar=("train/tokens_per_sec", "train/mfu"))
+            first, last = self._marks[0], self._marks[-1]
+            window = (last.tokens - first.tokens, last.samples - first.samples, last.flops - first.flops,
+                      last.recomputed - first.recomputed)  # fmt: skip
+            seconds, batches = last.time - first.time, len(self._marks) - 1
+            telemetry.contribute(trainer, self, telemetry.Share(
+                [*window, *self._totals[:2]], "sum", lambda totals: self._metrics(trainer, totals, seconds, batches),
+                prog_bar=("train/tokens_per_sec", "train/mfu"),
+            ))  # fmt: skip
 
-    def compute(self, trainer: Trainer) -> dict[str, float]:
-        """The metrics over the window (one all-reduce when distributed)."""
-        first, last = self._marks[0], self._marks[-1]
-        window = (
-            last.tokens - first.tokens,
-            last.samples - first.samples,
-            last.flops - first.flops,
-            last.recomputed - first.recomputed,
-        )
-        per_replica = trainer.world_size / telemetry.replicas(trainer)
-        tokens, samples, flops, recomputed, total_tokens, total_samples = (
-            v / per_replica for v in telemetry.reduce_sum(trainer, [*window, *self._totals[:2]])
-        )
+    def _metrics(self, trainer: Trainer, totals: list[float], seconds: float, batches: int) -> dict[str, float]:
+        """The metrics over the window of ``seconds`` and ``batches`` optimizer steps, from the processes'
+        summed window counts and totals."""
+        tokens, samples, flops, recomputed, total_tokens, total_samples = (v / self._per_replica for v in totals)
         devices = trainer.world_size
-        seconds = last.time - first.time
         out = {"train/tokens": total_tokens, "train/samples": total_samples}
         if seconds <= 0:
             return out
@@ -233,7 +231,7 @@ class Throughput(telemetry.TimedCallback):
             "train/tokens_per_sec_per_device": tokens / seconds / devices,
             "train/samples_per_sec": samples / seconds,
             "train/samples_per_sec_per_device": samples / seconds / devices,
-            "train/batches_per_sec": (len(self._marks) - 1) / seconds,  # optimizer steps (global batches)
+            "train/batches_per_sec": batches / seconds,  # optimizer steps (global batches)
         }
         if flops > 0:
             out["train/achieved_tflops_per_device"] = flops / seconds / devices / 1e12  # the model's FLOPs

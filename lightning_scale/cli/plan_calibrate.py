@@ -4,7 +4,8 @@ Every ``results.json`` under the directories (a sweep's ``multirun/<study>``, a 
 that completed, measured its throughput and carries the planner's record of its inputs
 (``planner.inputs``: every run of ``HybridParallelStrategy`` through ``lightning-scale-train``) is one
 observation. Per system (device and links), :func:`~lightning_scale.core.planner.calibration.fit_efficiency`
-fits the factors (``--fit``, default compute, overhead and intra_link) and stores them
+fits the factors (``--fit``; default compute, overhead and intra_link, or on a CPU host compute, overhead
+and framework_collectives) and stores them
 (``--store``, default ``$LIGHTNING_SCALE_CALIBRATION`` or ``~/.cache/lightning_scale/calibration.json``);
 later plans on that system (``lightning-scale-plan``, ``strategy=auto``) use them and print their source.
 Each run's measured step time is printed with the prediction before and after.
@@ -22,10 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_scale.core.planner.calibration import (
+    CPU_FITTED,
     FITTED,
     Observation,
     calibration_path,
     cluster_from_record,
+    default_fit,
     fit_efficiency,
     observation_from_record,
     save_calibration,
@@ -68,8 +71,8 @@ def observations_in(dirs: Sequence[Path]) -> tuple[dict[str, tuple[Cluster, list
     return groups, skipped
 
 
-def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] = FITTED, store: Path | None = None) -> list[str]:
-    """Fit and store each system's factors; the lines to print."""
+def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] | None = None, store: Path | None = None) -> list[str]:
+    """Fit and store each system's factors (``fit``, else each system's default); the lines to print."""
     groups, skipped = observations_in(dirs)
     if not groups:
         raise ValueError(
@@ -79,7 +82,8 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] = FITTED, store: Path 
         )
     lines = [f"left out: {s}" for s in skipped]
     for key, (system, observations) in groups.items():
-        fitted = fit_efficiency(observations, system, fit=fit)
+        factors = default_fit(system) if fit is None else tuple(fit)
+        fitted = fit_efficiency(observations, system, fit=factors)
         path = save_calibration(system, fitted, observations, store)
         lines.append(f"{key}: {len(observations)} run(s); {fitted.source}; stored in {path}")
         lines.append(f"  {'run':40s} {'measured s':>11s} {'before s':>10s} {'after s':>10s} {'error':>8s}")
@@ -87,9 +91,9 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] = FITTED, store: Path 
             before = estimate_time(o.shape, o.workload, o.candidate, system, peak=o.peak).step_time
             after = estimate_time(o.shape, o.workload, o.candidate, system, fitted, peak=o.peak).step_time
             lines.append(f"  {o.name:40s} {o.step_time:11.4f} {before:10.4f} {after:10.4f} {after / o.step_time - 1:+8.1%}")
-        lines.append("  fitted: " + ", ".join(f"{f}={getattr(fitted, f):.4g}" for f in fit))
-        if len(observations) < len(fit):
-            lines.append(f"  note: {len(observations)} run(s) for {len(fit)} factors: the fit is not unique; add runs "
+        lines.append("  fitted: " + ", ".join(f"{f}={getattr(fitted, f):.4g}" for f in factors))
+        if len(observations) < len(factors):
+            lines.append(f"  note: {len(observations)} run(s) for {len(factors)} factors: the fit is not unique; add runs "
                          "that differ in layout.")  # fmt: skip
     return lines
 
@@ -97,11 +101,13 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] = FITTED, store: Path 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-scale-plan calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories holding results.json files")
-    parser.add_argument("--fit", default=",".join(FITTED), help=f"factors to fit, comma-separated (default {','.join(FITTED)})")
+    parser.add_argument("--fit", default=None, help=f"factors to fit, comma-separated (default {','.join(FITTED)}; on a "
+                        f"CPU host {','.join(CPU_FITTED)})")
     parser.add_argument("--store", type=Path, default=None, help=f"the calibration file (default {calibration_path()})")
     args = parser.parse_args(argv)
     try:
-        for line in calibrate(args.dirs, fit=[f for f in args.fit.split(",") if f], store=args.store):
+        fit = None if args.fit is None else [f for f in args.fit.split(",") if f]
+        for line in calibrate(args.dirs, fit=fit, store=args.store):
             print(line)
     except ValueError as err:
         print(f"lightning-scale-plan calibrate: error: {err}", file=sys.stderr)

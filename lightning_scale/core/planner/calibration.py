@@ -31,17 +31,30 @@ from lightning_scale.core.planner.layout import Candidate, Workload
 from lightning_scale.core.planner.shape import ModelShape
 from lightning_scale.core.planner.step_time import estimate_time
 
-__all__ = ["CALIBRATION_ENV", "FITTED", "Observation", "calibrated", "calibration_key", "calibration_path",
-           "cluster_from_record", "fit_efficiency", "load_calibration", "observation_from_record", "planner_record", "save_calibration"]
+__all__ = ["CALIBRATION_ENV", "CPU_FITTED", "FITTED", "Observation", "calibrated", "calibration_key", "calibration_path",
+           "cluster_from_record", "default_fit", "fit_efficiency", "load_calibration", "observation_from_record",
+           "planner_record", "save_calibration"]
 
 CALIBRATION_ENV = "LIGHTNING_SCALE_CALIBRATION"
 """The JSON file calibrations are stored in (default ``~/.cache/lightning_scale/calibration.json``)."""
 
 FITTED = ("compute", "overhead", "intra_link")
-"""What :func:`fit_efficiency` fits by default: few runs pin three factors, and these three set a step's
-time on any system (the rate of its matmuls, its fixed cost per block and micro-batch, the bytes/s its
+"""What :func:`fit_efficiency` fits by default on a GPU system: few runs pin three factors, and these three
+set a step's time there (the rate of its matmuls, its fixed cost per block and micro-batch, the bytes/s its
 collectives achieve within a node); ``--fit`` adds others (``latency``, ``collective_overhead``,
 ``dp_overlap``, ``inter_link``, ...) when the runs vary them."""
+
+CPU_FITTED = ("compute", "overhead", "framework_collectives")
+"""The default on a CPU host: its gloo link is measured (:data:`~lightning_scale.core.planner.cluster.LINKS`),
+and what its tensor-parallel and FSDP collectives cost beyond the link (``framework_collectives``: their
+copies run on the cores the processes share) is what varies from host to host."""
+
+
+def default_fit(cluster: Cluster) -> tuple[str, ...]:
+    """The factors calibration fits on ``cluster``'s system unless told: :data:`CPU_FITTED` on a CPU host,
+    else :data:`FITTED`."""
+    return CPU_FITTED if cluster.device.chip == "cpu" else FITTED
+
 
 _GRIDS: dict[str, Sequence[float]] = {
     "compute": [0.05 * 1.25**k for k in range(20)],  # 0.05 .. 3.5 (a CPU's measured peak may be beaten)
@@ -51,6 +64,8 @@ _GRIDS: dict[str, Sequence[float]] = {
     "dp_overlap": [k / 10 for k in range(10)],
     "latency": [0.25 * 1.6**k for k in range(20)],
     "collective_overhead": [0.0] + [1e-6 * 1.6**k for k in range(28)],
+    "forward_overhead": [0.1 * 1.25**k for k in range(12)],
+    "framework_collectives": [1.4**k for k in range(20)],  # 1 .. 600 times the link's time
     "memory": [0.05 * 1.4**k for k in range(12)],
     "matmul_half": [4.0 * 2**k for k in range(8)],
 }
@@ -171,13 +186,16 @@ def _loss(observations: Sequence[Observation], cluster: Cluster, efficiency: Eff
 
 
 def fit_efficiency(
-    observations: Sequence[Observation], cluster: Cluster, *, fit: Sequence[str] = FITTED, base: Efficiency | None = None
+    observations: Sequence[Observation], cluster: Cluster, *, fit: Sequence[str] | None = None,
+    base: Efficiency | None = None,
 ) -> Efficiency:
-    """The factors ``fit`` (of :class:`Efficiency`) that minimise the squared log errors of the predicted
-    step times, the others kept from ``base`` (default: the cluster's): a grid over all of them, then
-    Nelder and Mead's simplex from the best point. ``ValueError`` for no observations or an unknown factor."""
+    """The factors ``fit`` (of :class:`Efficiency`; default :func:`default_fit`) that minimise the squared
+    log errors of the predicted step times, the others kept from ``base`` (default: the cluster's): a grid
+    over all of them, then Nelder and Mead's simplex from the best point. ``ValueError`` for no observations
+    or an unknown factor."""
     if not observations:
         raise ValueError("fit_efficiency needs at least one measured run; found none.")
+    fit = default_fit(cluster) if fit is None else tuple(fit)
     unknown = sorted(set(fit) - set(_GRIDS))
     if unknown:
         raise ValueError(f"fit={unknown} are not factors calibration fits; valid: {sorted(_GRIDS)}.")

@@ -89,8 +89,9 @@ LINKS: dict[str, Link] = {
         Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s, one HCA per GPU)"),
         Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
         Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet per node, shared by its GPUs"),
-        Link("gloo-loopback", 1 * GB, 100e-6, "gloo over TCP on one host: an order of magnitude for a copy through "
-             "the kernel's loopback; the achieved share is what calibration fits"),
+        Link("gloo-loopback", 0.5 * GB, 500e-6, "gloo over TCP on one host, measured (torch 2.13, two processes of "
+             "one thread on a 2-core AMD EPYC host at load average 1, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
+             "at 0.3 to 0.6 GB/s per device, all-reduces at about 1 GB/s, a 4 kB collective in 0.5 ms"),
         Link("ethernet-10g", 1.25 * GB, 100e-6, "10 Gb/s Ethernet between CPU hosts"),
     )
 }  # fmt: skip
@@ -116,6 +117,15 @@ class Efficiency:
     """Seconds per block and micro-batch, forward and backward, that are neither FLOPs nor bytes: kernel
     launches and the framework's Python (tens of microseconds a block on a GPU hidden behind its
     kernels; on a CPU, where every operator runs in the calling thread, a large share of small models' time)."""
+    forward_overhead: float = 0.5
+    """The forward's share of ``overhead``, which a block recomputed under activation checkpointing pays
+    again: its operators run once more from Python (the backward's run in autograd's C++ engine)."""
+    framework_collectives: float = 1.0
+    """How many times the link's time (bytes and latency alike) a collective issued from Python by DTensor
+    (tensor parallelism) or FSDP2 (its gathers and reduce-scatters) takes: they allocate their outputs and
+    copy and redistribute buffers around the transfer, where DDP reduces its flat buckets from C++ and the
+    pipeline sends the activation as it is. About 1 for large NCCL collectives; several times the link on
+    a CPU, where those copies run on the cores the processes share (calibration fits it there)."""
     collective_overhead: float = 0.0
     """Seconds per collective issued from Python by DTensor (tensor parallelism) or FSDP (its gathers and
     reduce-scatters), beyond the link's latency: redistribution, copy-in and copy-out. Not paid by
@@ -225,8 +235,8 @@ def _host_memory() -> float:
 
 CPU_EFFICIENCY = Efficiency(
     compute=1.0, matmul_half=16.0, intra_link=1.0, inter_link=1.0, dp_overlap=0.0, memory=1.0, overhead=0.0,
-    source="CPU defaults: the measured matmul rate, nominal gloo bandwidth, no overlap (gloo runs in the "
-    "training thread's turn); calibrate to fit this host",
+    source="CPU defaults: the measured matmul rate, gloo's measured bandwidth and latency, no overlap (gloo runs in "
+    "the training thread's turn); calibrate to fit this host",
 )
 
 

@@ -7,23 +7,27 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
   divided by ``tp``, at the device's peak for the compute dtype times :attr:`Efficiency.compute`,
   scaled down for small matmuls (``n / (n + matmul_half)``, ``n`` the smallest GEMM dimension);
 - ``recompute``: the forwards activation checkpointing runs again in the backward (a third of the
-  checkpointed blocks' FLOPs);
+  checkpointed blocks' FLOPs; their forward's share of the fixed cost is in ``overhead``);
 - ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
   plus reduce-scatter under sequence parallelism: the same bytes in twice the messages) of the block's
   activations, two more per recomputed block, and the vocabulary-parallel embedding's and loss's few,
-  over the link the ``tp`` group spans, each also paying :attr:`Efficiency.collective_overhead` (DTensor
-  issues them from Python);
-- ``pipeline_transfers``: per micro-batch one activation forward and one gradient backward between
-  neighbouring stages;
+  over the link the ``tp`` group spans, taking :attr:`Efficiency.framework_collectives` times the link's
+  time and each also paying :attr:`Efficiency.collective_overhead` (DTensor issues them from Python);
+- ``pipeline_transfers``: per micro-batch and stage of the rank (several under interleaved schedules) one
+  activation forward and one gradient backward between neighbouring stages;
 - ``bubble``: the schedule's idle share (:func:`~lightning_scale.core.pipeline.partition.bubble_fraction`,
-  the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time;
+  the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time; on a host whose processes
+  outnumber its cores (``slowdown`` > 1) divided by ``slowdown``: while some stages wait, the others'
+  processes have the idle cores and run that much faster;
 - ``data_parallel``: the gradient all-reduce (``ddp``: one per 25 MiB bucket), or the parameter
   all-gathers of each micro-batch's forward and backward and the gradients' reduce-scatter, one of
-  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once; FSDP's each pay
+  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once; FSDP2's, issued from Python, take
+  :attr:`Efficiency.framework_collectives` times the link's time and each pays
   :attr:`Efficiency.collective_overhead`), less the share hidden behind the compute (:attr:`Efficiency.dp_overlap`);
 - ``overhead``: per block and micro-batch, what is neither FLOPs nor bytes (kernel launches, the
-  framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), times the device's
-  ``slowdown`` (CPU processes sharing cores);
+  framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), and the forward's share
+  (:attr:`Efficiency.forward_overhead`) again per recomputed block, times the device's ``slowdown``
+  (CPU processes sharing cores);
 - ``optimizer``: the update's memory traffic (parameters, gradients and states read, parameters
   and states written) at the device's memory bandwidth.
 
@@ -99,8 +103,10 @@ def estimate_time(
     recompute = recomputed * block_flops / 3 / rate
 
     # A collective's step waits for every member to run: processes sharing cores wait their turn too.
-    lag = eff.latency * cluster.device.slowdown
-    issued = eff.collective_overhead * cluster.device.slowdown  # per collective DTensor or FSDP issues
+    slowdown = cluster.device.slowdown
+    lag = eff.latency * slowdown
+    issued = eff.collective_overhead * slowdown  # per collective DTensor or FSDP issues
+    framework = eff.framework_collectives  # DTensor's and FSDP2's collectives, against the link's time
     tp_link = cluster.link(t)
     tp_bytes = tokens_mb * shape.d_model * a
     # Per block, forward and backward: four all-reduces, or under sequence parallelism eight all-gathers
@@ -108,17 +114,22 @@ def estimate_time(
     # parallel embedding and loss a few small ones per micro-batch.
     sp = 2 if candidate.sequence_parallel else 1
     tp_collectives = sp * (4 * blocks + 2 * recomputed) + 4
-    tp_time = _ring(t, (4 * blocks + 2 * recomputed + 1) * tp_bytes, 2, eff.link(cluster, tp_link),
-                    tp_link.latency * lag, tp_collectives)  # fmt: skip
+    tp_time = framework * _ring(t, (4 * blocks + 2 * recomputed + 1) * tp_bytes, 2, eff.link(cluster, tp_link),
+                                tp_link.latency * lag, tp_collectives)  # fmt: skip
     tp_time += tp_collectives * issued if t > 1 else 0.0
 
     p2p = 0.0
     if p > 1:
         pp_link = cluster.link(t * p)
         width = shape.d_model / (t if candidate.sequence_parallel else 1)
-        p2p = 2 * tokens_mb * width * a / eff.link(cluster, pp_link) + 2 * pp_link.latency * lag
+        # Each of the rank's stages (several under interleaved and V-shaped schedules) receives its input
+        # and sends its output, forward and backward.
+        sends = 2 * candidate.stages_per_rank
+        p2p = sends * (tokens_mb * width * a / eff.link(cluster, pp_link) + pp_link.latency * lag)
 
-    overhead = blocks * eff.overhead * cluster.device.slowdown
+    # A recomputed forward runs the block's operators again: a third of its FLOPs, and the forward's share
+    # of its fixed cost.
+    overhead = (blocks + eff.forward_overhead * recomputed) * eff.overhead * slowdown
     per_mb = compute + recompute + tp_time + p2p + overhead
     bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
     pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
@@ -129,7 +140,7 @@ def estimate_time(
         dp_link = cluster.link(candidate.world_size)
         bw, latency = eff.link(cluster, dp_link), dp_link.latency * lag
         grads = params_rank * gbytes
-        if candidate.dp_mode == "ddp":
+        if candidate.dp_mode == "ddp":  # DDP's buckets: one flat buffer each, reduced from C++
             dp_time = _ring(d, grads, 2, bw, latency, max(1, math.ceil(grads / _DDP_BUCKET)))
             window = per_mb * 2 / 3  # the last micro-batch's backward, where the gradients are reduced
         else:
@@ -137,9 +148,9 @@ def estimate_time(
             shard, units = (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d), blocks + 1
             gathers = 1 if candidate.dp_mode == "fsdp_grad_op" else 2 * m
             dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, latency, units) + _ring(shard, grads, 1, bw, latency, units)
-            dp_time += (gathers + 1) * units * issued
             if candidate.dp_mode == "hsdp" and d > shard:
                 dp_time += _ring(d // shard, grads / shard, 2, bw, latency, units)
+            dp_time = framework * dp_time + (gathers + 1) * units * issued
             window = m * per_mb
         dp_time = max(dp_time - eff.dp_overlap * window, dp_time * (1 - eff.dp_overlap))
 
@@ -148,17 +159,22 @@ def estimate_time(
     traffic = params_rank / o_shard * (2 * pbytes + gbytes + 2 * states * pbytes)
     optimizer = traffic / (cluster.device.memory_bandwidth * eff.memory)
 
+    # Processes outnumbering the cores (``slowdown`` > 1): while a pipeline stage waits in its bubble, the
+    # processes of the stages that run have its cores too, and run up to ``slowdown`` times faster than
+    # when every process runs (one core each at most); the bubble, the busy stages' time, shrinks as much.
+    # On a device of its own (a GPU: ``slowdown`` 1) nothing changes.
     terms = {
         "compute": m * compute,
         "recompute": m * recompute,
         "tensor_parallel": m * tp_time,
         "pipeline_transfers": m * p2p,
         "overhead": m * overhead,
-        "bubble": pipeline - m * per_mb,
+        "bubble": (pipeline - m * per_mb) / slowdown,
         "data_parallel": dp_time,
         "optimizer": optimizer,
     }
     model_flops = shape.flops_per_token(s) * workload.tokens
     hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
-    inputs = {"peak_flops": peak, "matmul_rate": rate, "microbatches": m, "bubble_fraction": bubble}
+    inputs = {"peak_flops": peak, "matmul_rate": rate, "microbatches": m, "bubble_fraction": bubble,
+              "slowdown": slowdown}
     return TimeEstimate(terms, model_flops, hardware_flops, inputs)
