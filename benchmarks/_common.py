@@ -81,6 +81,8 @@ class HookTime:
 
     def instrument(self, callback: Callback) -> Callback:
         for name in (*STEP_HOOKS, *START_HOOKS):
+            if getattr(type(callback), name) is getattr(Callback, name):
+                continue  # Callback's own no-op: nothing to time, and a wrapper would add its own cost to the step
             method = getattr(callback, name)
             per_step = name in STEP_HOOKS
 

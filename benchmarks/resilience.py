@@ -15,7 +15,10 @@ calls on rank 0; the first ``--warmup`` steps of a fit and the first step of eve
 thread's start or stop, once per fit in real use) are dropped. ``overhead_fraction`` is the median over
 pairs of adjacent blocks of ``on / off - 1`` (target <= 0.005; the bound is no overhead): alternating
 every few steps keeps the comparison inside one run, where a shared VM's drift between fits (several
-per cent) would swamp it. ``overhead_of_means`` compares all the on steps with all the off ones, and
+per cent) would swamp it. ``overhead_mean`` and ``overhead_se`` are the mean over disjoint pairs of blocks and its standard error (the
+pairs' standard deviation over the square root of their number: the precision of the comparison; about 0.5% for
+the default 3 rounds on a 2-core machine, so run ``--rounds 12`` to resolve the 0.5% target),
+``overhead_of_means`` compares all the on steps with all the off ones, and
 ``hook_fraction`` is the hooks' own time (the watchdog's and the monitor's, timed directly) over the off step.
 
 Prints ``BENCH resilience {json}`` last and writes benchmarks/results/resilience.json.
@@ -114,12 +117,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ledger:  # the goodput monitor's run directory
         args.goodput_dir = ledger
         fits = run_workers(_worker, WORLD, args)
-    pairs, times = [], {True: [], False: []}
+    pairs, disjoint, times = [], [], {True: [], False: []}
     for blocks, _, _ in fits:
         means = [(on, statistics.mean(t)) for on, t in blocks if t]
         for on, t in blocks:
             times[on] += t
         pairs += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means, means[1:]) if a[0] != b[0]]
+        disjoint += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means[::2], means[1::2]) if a[0] != b[0]]
     step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
     hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with them on
     report = {
@@ -130,6 +134,8 @@ def main() -> None:
         "step_s": step,
         "overhead_fraction": statistics.median(pairs),
         "block_pairs": len(pairs),
+        "overhead_mean": statistics.mean(disjoint),
+        "overhead_se": statistics.stdev(disjoint) / len(disjoint) ** 0.5 if len(disjoint) > 1 else None,
         "overhead_of_means": step["on"] / step["off"] - 1,
         "hook_s_per_step": hook_s,
         "hook_fraction": hook_s / step["off"],

@@ -202,6 +202,7 @@ def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> N
     assert set(report["step_s"]) == {"off", "on"} and min(report["step_s"].values()) > 0
     # 12 steps in blocks of 2, the first 2 and each block's first dropped: 5 blocks a fit, alternating, 4 pairs.
     assert report["block_pairs"] == 8 and isinstance(report["overhead_fraction"], float)
+    assert isinstance(report["overhead_mean"], float) and isinstance(report["overhead_se"], float)  # 2 disjoint pairs a fit
     assert 0 < report["hook_s_per_step"] < report["step_s"]["off"]  # the heartbeats were timed, and are a part of a step
     assert report["goodput"] is True  # the "on" steps recorded the goodput ledger too
 

@@ -481,7 +481,7 @@ def test_report_logs_its_table_and_plots_to_a_wandb_run_of_the_study(tmp_path: P
     # In this process wandb's service writes the run's records to the offline file after finish() returns
     # (it closes the file when the service lets go of the run): read it once the run record is there.
     deadline = time.monotonic() + 60
-    while "group" not in (runs := offline_runs(study / "report"))[0] and time.monotonic() < deadline:
+    while not ((runs := offline_runs(study / "report")) and "group" in runs[0]) and time.monotonic() < deadline:
         time.sleep(0.5)
     (run,) = runs
     assert run["group"] == study.name and run["job_type"] == "report"

@@ -32,6 +32,8 @@ def _records(path: Path) -> list[bytes]:
         if length == 0 and kind == 0:  # block padding
             pos += left - _HEADER
             continue
+        if pos + length > len(data):  # the writer is still appending this record: read up to the last whole one
+            break
         pending += data[pos : pos + length]
         pos += length
         if kind in (_FULL, _LAST):
