@@ -188,8 +188,6 @@ def test_a_crafted_cluster_record_is_refused(field: tuple[str, ...], value: Any,
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"layout": "auto", "tensor_parallel": 2}, r"layout='auto' chooses data_parallel, .*; tensor_parallel=2 would be overruled"),
-        ({"layout": "auto", "activation_checkpointing": "full"}, r"activation_checkpointing='full' would be overruled"),
         ({"layout": "best"}, r"layout='best' must be 'manual' \(the sizes given\) or 'auto'"),
         ({"cluster": "h100-sxm"}, r"cluster='h100-sxm' is what layout='auto' plans for; set layout='auto'"),
     ],
@@ -197,6 +195,16 @@ def test_a_crafted_cluster_record_is_refused(field: tuple[str, ...], value: Any,
 def test_auto_layout_refuses_options_it_would_overrule(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HybridParallelStrategy(**kwargs)
+
+
+def test_planned_options_set_beside_auto_are_its_constraints() -> None:
+    assert HybridParallelStrategy(layout="auto").options.constraints() == {}
+    options = HybridParallelStrategy(layout="auto", tensor_parallel=2, activation_checkpointing="full").options
+    assert options.constraints() == {"tensor_parallel": 2, "activation_checkpointing": "full"}
+    # Options the planner does not choose are not constraints, and a constraint is checked like any option.
+    assert HybridParallelStrategy(layout="auto", sequence_parallel=False).options.constraints() == {}
+    with pytest.raises(ValueError, match=r"activation_checkpointing='most'"):
+        HybridParallelStrategy(layout="auto", activation_checkpointing="most")
 
 
 def test_the_planner_reads_a_hugging_face_models_shape_off_the_module() -> None:
@@ -247,30 +255,49 @@ class _UserCausalLM(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _auto_on_a_users_model(rank: int, world: int) -> tuple[dict[str, Any], int, int]:
+def _auto_fit(module: LightningModule, world: int, **options: Any) -> HybridParallelStrategy:
     from lightning.pytorch import Trainer
 
     from lightning_scale.data import TextDataModule
 
-    module = _UserCausalLM()
-    strategy = HybridParallelStrategy(layout="auto")
+    strategy = HybridParallelStrategy(layout="auto", **options)
     trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0)  # fmt: skip
     trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=4))
-    chosen = strategy.auto_layout.chosen
-    assert chosen is not None
-    return dataclasses.asdict(chosen.candidate), model_shape_of(module).parameters, sum(p.numel() for p in module.parameters())
+    return strategy
+
+
+def _auto_layouts(rank: int, world: int) -> dict[str, Any]:
+    """A user's own model under auto; the package's GPT under auto with and without tensor_parallel=2 (a
+    constraint); the user's model under that constraint, which it cannot run (the error each rank raised)."""
+    from lightning_scale.models import GPTLightningModule
+
+    user = _UserCausalLM()
+    out: dict[str, Any] = {"user": dataclasses.asdict(_auto_fit(user, world).auto_layout.chosen.candidate),
+                           "read": model_shape_of(user).parameters, "counted": sum(p.numel() for p in user.parameters())}  # fmt: skip
+    for name, options in (("gpt", {}), ("gpt_tp2", {"tensor_parallel": 2})):
+        out[name] = dataclasses.asdict(_auto_fit(GPTLightningModule(PRESETS["tiny"]), world, **options).auto_layout.chosen.candidate)
+    try:
+        _auto_fit(_UserCausalLM(), world, tensor_parallel=2)
+    except ValueError as err:
+        out["refused"] = str(err)
+    return out
 
 
 @pytest.mark.slow
-def test_auto_plans_a_users_own_model_read_off_its_modules_within_what_it_can_run() -> None:
-    results = run_distributed(_auto_on_a_users_model, 2, timeout=180)
-    assert results[0] == results[1]  # every rank built the layout rank 0 chose
-    candidate, read, counted = results[0]
-    assert read == counted  # the planner planned this model, parameter for parameter
+def test_auto_plans_a_users_own_model_read_off_its_modules_within_what_it_can_run_and_keeps_constraints() -> None:
+    results = run_distributed(_auto_layouts, 2, timeout=240)
+    assert results[0] == results[1]  # every rank built the layouts rank 0 chose, and raised alike
+    result = results[0]
+    assert result["read"] == result["counted"]  # the planner planned this model, parameter for parameter
     # No tensor-parallel plan and no pipeline spec: only data-parallel layouts were candidates.
-    assert (candidate["dp"], candidate["tp"], candidate["pp"]) == (2, 1, 1), candidate
+    sizes = {name: (c["dp"], c["tp"], c["pp"]) for name, c in result.items() if name in ("user", "gpt", "gpt_tp2")}
+    assert sizes["user"] == (2, 1, 1), result
+    # tensor_parallel=2 beside auto is a constraint: the fastest layout with it, not the unconstrained choice.
+    assert sizes["gpt_tp2"] == (1, 2, 1) and sizes["gpt"] != sizes["gpt_tp2"], result
+    assert re.search(r"layout='auto' keeps tensor_parallel=2, but no layout the planner can run has it: tensor_parallel "
+                     r"can be 1 here\. Change or remove it, or set layout='manual'", result["refused"]), result  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ end to end

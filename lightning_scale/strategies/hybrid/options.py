@@ -60,7 +60,8 @@ _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "grad
 _SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")
 PLANNED = (*_SIZES, "data_parallel_mode", "schedule", "microbatches", "virtual_stages", "activation_checkpointing",
            "activation_checkpointing_every")  # fmt: skip
-"""What ``layout="auto"`` chooses (:mod:`.planning`); setting one of them too is refused (it would be overruled)."""
+"""What ``layout="auto"`` chooses (:mod:`.planning`); one set too (to other than its default) is a constraint: the
+planner chooses among the layouts that have it (:meth:`ParallelOptions.constraints`)."""
 """The options the strategy also takes positionally, in this order."""
 
 
@@ -228,19 +229,16 @@ class ParallelOptions:
             [*first, *options, *(p for p in fixed if p.kind is p.KEYWORD_ONLY)], return_annotation=None
         )
 
+    def constraints(self) -> dict[str, Any]:
+        """``layout="auto"``'s constraints: the :data:`PLANNED` options set to other than their defaults."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {name: getattr(self, name) for name in PLANNED if getattr(self, name) != defaults[name]}
+
     def __post_init__(self) -> None:
         if self.layout not in ("manual", "auto"):
             raise ValueError(f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner chooses).")
         if self.cluster is not None and self.layout != "auto":
             raise ValueError(f"cluster={self.cluster!r} is what layout='auto' plans for; set layout='auto' or remove it.")
-        if self.layout == "auto":
-            defaults = {f.name: f.default for f in fields(self)}
-            set_too = [f"{name}={getattr(self, name)!r}" for name in PLANNED if getattr(self, name) != defaults[name]]
-            if set_too:
-                raise ValueError(
-                    f"layout='auto' chooses {', '.join(PLANNED)}; {', '.join(set_too)} would be overruled. Remove "
-                    "them, or set layout='manual' to keep your layout."
-                )
         for name in ("sequence_parallel", "loss_parallel", "compile"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         for name in ("loss_name", "hang_timeout"):  # a YAML config's mapping as a plain dict

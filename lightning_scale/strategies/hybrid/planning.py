@@ -7,9 +7,10 @@
 - :func:`candidate_of`: the strategy's resolved options as the planner's :class:`Candidate`, so any run
   records the prediction for its own layout (``results.json``'s ``planner``) and calibration can learn
   from it;
-- :class:`AutoLayout`: ``layout="auto"``: every layout the strategy can run is estimated on rank 0, the
-  fastest that fits is broadcast and becomes the options every rank builds (the same on all of them),
-  and its predicted figures are printed and logged as ``plan/*`` next to what telemetry measures.
+- :class:`AutoLayout`: ``layout="auto"``: every layout the strategy can run (with the planned options the
+  user set too, as constraints) is estimated on rank 0, the fastest that fits is broadcast and becomes the
+  options every rank builds (the same on all of them), and its predicted figures are printed and logged as
+  ``plan/*`` next to what telemetry measures.
 """
 
 from __future__ import annotations
@@ -161,11 +162,17 @@ class AutoLayout:
                           max_micro_batch=workload.global_batch)  # fmt: skip
             runnable = _runnable(module)
             ranked = [e for e in ranked if runnable(e.candidate)]  # dp x 1 x 1 always is
-            best = ranked[0]  # the fastest that fits, else the smallest miss is refused below
-            doc = {"candidate": dataclasses.asdict(best.candidate), "fits": best.fits}
-            self.chosen = best
-            _announce(best, ranked, system, shape)
+            constrained = _constrained(ranked, strategy.options.constraints(), workload)
+            if isinstance(constrained, str):
+                doc = {"error": f"{constrained} ({shape.name} on {system.world_size} devices)"}
+            else:
+                best = constrained[0]  # the fastest that fits, else the smallest miss is refused below
+                doc = {"candidate": dataclasses.asdict(best.candidate), "fits": best.fits}
+                self.chosen = best
+                _announce(best, constrained, system, shape)
         doc = strategy.broadcast(doc)
+        if "error" in doc:  # every rank raises alike
+            raise ValueError(doc["error"])
         candidate = Candidate(**doc["candidate"])
         if not doc["fits"]:
             raise ValueError(
@@ -176,6 +183,24 @@ class AutoLayout:
             self.chosen = estimate(shape, workload, candidate, run_cluster(trainer, workload, preset))
         self._options = options_for(candidate, workload)
         return self._options
+
+
+def _constrained(ranked: list[Estimate], constraints: dict[str, Any], workload: Workload) -> list[Estimate] | str:
+    """The layouts of ``ranked`` whose options have every constraint's value, in order; when none has, the
+    error: the first constraint no layout meets and the values this model and these devices allow."""
+    kept, earlier = ranked, []
+    for name, value in constraints.items():
+        allowed = {options_for(e.candidate, workload)[name] for e in kept}
+        kept = [e for e in kept if options_for(e.candidate, workload)[name] == value]
+        if not kept:
+            shown = ", ".join(sorted(map(repr, allowed - {None}))) or "nothing"
+            given = f" with {', '.join(earlier)}" if earlier else ""
+            return (
+                f"layout='auto' keeps {name}={value!r}, but no layout the planner can run{given} has it: {name} can be "
+                f"{shown} here. Change or remove it, or set layout='manual' with your sizes"
+            )
+        earlier.append(f"{name}={value!r}")
+    return kept
 
 
 def _runnable(module: LightningModule) -> Callable[[Candidate], bool]:
