@@ -192,7 +192,7 @@ def test_a_crafted_cluster_record_is_refused(field: tuple[str, ...], value: Any,
         ({"cluster": "h100-sxm"}, r"cluster='h100-sxm' is what layout='auto' plans for; set layout='auto'"),
     ],
 )
-def test_auto_layout_refuses_options_it_would_overrule(kwargs: dict[str, Any], match: str) -> None:
+def test_the_layout_option_and_a_cluster_without_auto_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HybridParallelStrategy(**kwargs)
 
