@@ -114,6 +114,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         queue.put(fits)
 
 
+def _overheads(pairs: Any) -> list[float]:
+    """``on / off - 1`` of each pair of (on?, mean step) blocks that has one of each."""
+    return [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in pairs if a[0] != b[0]]
+
+
 def _extra_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=10, help="steps between two switches")
     parser.add_argument("--switch", default="both", choices=["both", "watchdog", "goodput", "none"],
@@ -134,14 +139,14 @@ def main() -> None:
         means = [(on, statistics.mean(t)) for on, t in blocks if t]
         for on, t in blocks:
             times[on] += t
-        pairs += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means, means[1:]) if a[0] != b[0]]
-        disjoint += [(a[1] / b[1] if a[0] else b[1] / a[1]) - 1 for a, b in zip(means[::2], means[1::2]) if a[0] != b[0]]
+        pairs += _overheads(zip(means, means[1:]))
+        disjoint += _overheads(zip(means[::2], means[1::2]))
     step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
     hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with them on
     report = {
         **fit_report(args, WORLD),
         "block": args.block,
-        "hang_timeout": "auto",
+        "hang_timeout": "auto" if args.switch in ("both", "watchdog") else None,  # the watchdog's, when it is in the fit
         "switch": args.switch,  # what the "on" steps run: the watchdog, the goodput monitor, both, or none
         "step_s": step,
         "overhead_fraction": statistics.median(pairs),

@@ -188,10 +188,10 @@ class AutoLayout:
 def _constrained(ranked: list[Estimate], constraints: dict[str, Any], workload: Workload) -> list[Estimate] | str:
     """The layouts of ``ranked`` whose options have every constraint's value, in order; when none has, the
     error: the first constraint no layout meets and the values this model and these devices allow."""
-    kept, earlier = ranked, []
+    kept, earlier = [(e, options_for(e.candidate, workload)) for e in ranked], []
     for name, value in constraints.items():
-        allowed = {options_for(e.candidate, workload)[name] for e in kept}
-        kept = [e for e in kept if options_for(e.candidate, workload)[name] == value]
+        allowed = {options[name] for _, options in kept}
+        kept = [(e, options) for e, options in kept if options[name] == value]
         if not kept:
             shown = ", ".join(sorted(map(repr, allowed - {None}))) or "nothing"
             given = f" with {', '.join(earlier)}" if earlier else ""
@@ -200,7 +200,7 @@ def _constrained(ranked: list[Estimate], constraints: dict[str, Any], workload: 
                 f"{shown} here. Change or remove it, or set layout='manual' with your sizes"
             )
         earlier.append(f"{name}={value!r}")
-    return kept
+    return [e for e, _ in kept]
 
 
 def _runnable(module: LightningModule) -> Callable[[Candidate], bool]:
