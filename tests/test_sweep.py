@@ -39,6 +39,7 @@ def _executable(name: str) -> str:
 def _env(cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", RESOLVED_CONFIG_ENV, "WANDB_DIR")}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", LIGHTNING_SCALE_CACHE=str(cache))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))  # helpers.*
     return env
 
 
@@ -164,6 +165,9 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
 
 # One process per job: the kill test of issue 12 covers resuming every rank of a multi-process run.
 TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,20", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
+# The sweep the `resumed` fixture kills: job 1 sleeps 0.2 s a step after its first checkpoint (step 5), so
+# the kill lands well before it could commit its last (step 20) however late a loaded machine runs the test.
+KILLED_JOBS = [*TWO_JOBS, "+callbacks.slow._target_=helpers.lightning.SlowSteps", "+callbacks.slow.after_step=5"]
 
 
 def _committed(job_dir: Path) -> list[Path]:
@@ -175,7 +179,7 @@ def _committed(job_dir: Path) -> list[Path]:
 def resumed(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[str, Any]:
     """The 2-job sweep killed (SIGKILL to its whole process group) once job 1 committed a checkpoint, then run again."""
     cwd = tmp_path_factory.mktemp("resumed")
-    command = [_executable("lightning-scale-train"), "-m", *TWO_JOBS]
+    command = [_executable("lightning-scale-train"), "-m", *KILLED_JOBS]
     with open(cwd / "first.log", "w") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=_env(data_cache), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
@@ -196,7 +200,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[
         "checkpoints1": [p.name for p in _committed(study / "1")],
         "first_log": (cwd / "first.log").read_text()[-3000:],
     }
-    again = _sweep(cwd, data_cache, *TWO_JOBS)
+    again = _sweep(cwd, data_cache, *KILLED_JOBS)
     return {"cwd": cwd, "study": study, "before": before, "again": again}
 
 
@@ -256,7 +260,7 @@ def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> 
 def test_the_same_sweep_through_submitit_local_gives_the_same_jobs_and_results(
     resumed: dict[str, Any], tmp_path: Path, data_cache: Path
 ) -> None:
-    proc = _sweep(tmp_path, data_cache, "hydra/launcher=submitit_local", *TWO_JOBS)
+    proc = _sweep(tmp_path, data_cache, "hydra/launcher=submitit_local", *KILLED_JOBS)
     assert proc.returncode == 0, _out(proc)
     study, reference = _study_dir(tmp_path), resumed["study"]
     assert study.name == reference.name  # the same command names the same study

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
-__all__ = ["fit_error", "quiet_trainer"]
+__all__ = ["SlowSteps", "fit_error", "quiet_trainer"]
 
 
 def quiet_trainer(**overrides: Any) -> Trainer:
@@ -29,3 +30,17 @@ def fit_error(trainer: Trainer, module: Any, **fit_kwargs: Any) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+class SlowSteps(Callback):
+    """Sleeps ``seconds`` after every training step past ``after_step``: a run a test kills mid-way
+    (after a checkpoint at ``after_step``) cannot reach its last step before the kill lands, however
+    late a loaded machine schedules the test. Added to a CLI run with
+    ``+callbacks.slow._target_=helpers.lightning.SlowSteps`` (``tests/`` on ``PYTHONPATH``)."""
+
+    def __init__(self, after_step: int = 5, seconds: float = 0.2) -> None:
+        self.after_step, self.seconds = after_step, seconds
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step > self.after_step:
+            time.sleep(self.seconds)
