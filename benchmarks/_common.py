@@ -78,6 +78,7 @@ class HookTime:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.start_seconds = 0.0
+        self.by_hook: dict[str, float] = {}  # "Callback.hook" -> per-step seconds, summed over the fit
 
     def instrument(self, callback: Callback) -> Callback:
         for name in (*STEP_HOOKS, *START_HOOKS):
@@ -85,8 +86,9 @@ class HookTime:
                 continue  # Callback's own no-op: nothing to time, and a wrapper would add its own cost to the step
             method = getattr(callback, name)
             per_step = name in STEP_HOOKS
+            key = f"{type(callback).__name__}.{name}"
 
-            def timed(*args: Any, _method: Any = method, _per_step: bool = per_step, **kwargs: Any) -> Any:
+            def timed(*args: Any, _method: Any = method, _per_step: bool = per_step, _key: str = key, **kwargs: Any) -> Any:
                 begin = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
@@ -94,6 +96,7 @@ class HookTime:
                     spent = time.perf_counter() - begin
                     if _per_step:
                         self.seconds += spent
+                        self.by_hook[_key] = self.by_hook.get(_key, 0.0) + spent
                     else:
                         self.start_seconds += spent
 

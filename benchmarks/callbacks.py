@@ -100,6 +100,20 @@ class _Interleave(Callback):
         self._all: list[Callback] = []
         self._last: float | None = None
         self._step = 0
+        self._current = VARIANTS[0]
+        self.gc_s = dict.fromkeys(VARIANTS, 0.0)  # the garbage collector's pauses in each variant's steps
+        self.gc_runs = {name: [0, 0, 0] for name in VARIANTS}  # its collections there, by generation
+        self._gc_start = 0.0
+        import gc
+
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_s[self._current] += time.perf_counter() - self._gc_start
+            self.gc_runs[self._current][info["generation"]] += 1
 
     def variant(self, step: int) -> tuple[int, str]:
         """The cycle and the variant of (0-based) ``step``. In interval ``j`` of a cycle (3 intervals of
@@ -113,6 +127,7 @@ class _Interleave(Callback):
         return cycle, VARIANTS[(j + offset) % len(VARIANTS)]
 
     def _use(self, trainer: Trainer, variant: str) -> None:
+        self._current = variant
         chosen = {id(c) for c in self.variants[variant]}
         trainer.callbacks = [*self._base, *[c for c in self._all if id(c) in chosen], self]
         trainer.precision_plugin.log_grad_norm = variant == "ours"  # what GradNormMonitor's setup asked for
@@ -165,7 +180,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     fits = []
     for _ in range(args.rounds):
         interleave, start_s = _fit(args)
-        fits.append((interleave.gaps, interleave.hook_s, interleave.steps_run, start_s))
+        import gc
+
+        gc.callbacks.remove(interleave._gc)
+        fits.append((interleave.gaps, interleave.hook_s, interleave.steps_run, start_s, interleave.gc_s, interleave.gc_runs,
+                     interleave.hooks["ours"].by_hook))
     if rank == 0:
         queue.put(fits)
 
@@ -186,7 +205,15 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     hook_s = {"ours": 0.0, "lightning": 0.0}
     steps_run = dict.fromkeys(VARIANTS, 0)
-    for gaps, hooks, run, _ in fits:
+    gc_s = dict.fromkeys(VARIANTS, 0.0)
+    gc_runs = {name: [0, 0, 0] for name in VARIANTS}
+    by_hook: dict[str, float] = {}
+    for gaps, hooks, run, _, gc_seconds, gc_counts, hook_split in fits:
+        for key, seconds in hook_split.items():
+            by_hook[key] = by_hook.get(key, 0.0) + seconds
+        for name in VARIANTS:
+            gc_s[name] += gc_seconds[name]
+            gc_runs[name] = [a + b for a, b in zip(gc_runs[name], gc_counts[name])]
         for cycle in gaps.values():
             if all(len(cycle.get(v, [])) == args.log_every for v in VARIANTS):  # whole cycles only
                 means = {v: statistics.mean(cycle[v]) for v in VARIANTS}
@@ -221,6 +248,9 @@ def main() -> None:
         "start_hooks_s": {name: statistics.median(f[3][name] for f in fits) for name in hook_s},
         "hook_fraction": hooks_per_step["ours"] / step["none"],
         "hook_ratio_vs_throughput_monitor": (step["none"] + hooks_per_step["ours"]) / (step["none"] + hooks_per_step["lightning"]),
+        "gc_s_per_step": {name: gc_s[name] / max(1, steps_run[name]) for name in VARIANTS},
+        "gc_collections": gc_runs,
+        "hook_us_per_step_by_hook": {k: round(v / max(1, steps_run["ours"]) * 1e6, 1) for k, v in sorted(by_hook.items(), key=lambda kv: -kv[1])},
     }
     emit("callbacks", report, args.out)
 

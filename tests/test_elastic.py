@@ -267,9 +267,55 @@ def _resume_where_one_rank_restarted(rank: int, world: int, root: str) -> list[i
     return starts
 
 
-def test_auto_resume_on_restart_is_decided_over_all_ranks(tmp_path: Path) -> None:
+def _own_loader(batch_size: int | None, samples: int = 64) -> DataLoader:
+    """A user's own loader (not the package's data module): windows of random tokens; ``None``: a dataset of
+    ready batches of 2, loaded without automatic batching (no ``batch_size`` to read)."""
+    tokens = torch.randint(0, CONFIG.vocab_size, (samples, 17), generator=torch.Generator().manual_seed(0))
+    if batch_size is None:
+        return DataLoader([(t[:, :-1], t[:, 1:]) for t in tokens.split(2)], batch_size=None)
+    return DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+
+def _fit_own_loader(devices: int, batch_size: int | None, *, steps: int, ckpt: Path, resume: bool = False,
+                    accumulate: int = 1, change: str = "refuse") -> Trainer:  # fmt: skip
+    seed_everything(0, verbose=False)
+    every = ModelCheckpoint(ckpt, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0, global_batch_change=change)
+    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+                            enable_checkpointing=not resume, callbacks=[] if resume else [every])  # fmt: skip
+    trainer.fit(GPTLightningModule(CONFIG), train_dataloaders=_own_loader(batch_size), ckpt_path=str(ckpt / "step=2.ckpt") if resume else None)
+    return trainer
+
+
+def _resume_where_one_rank_restarted_and_save_from_an_own_loader(rank: int, world: int, root: str) -> list[int]:
+    starts = _resume_where_one_rank_restarted(rank, world, root)
+    _fit_own_loader(world, 2, steps=2, ckpt=Path(root) / "own")  # 2 samples per rank and loader batch, at dp=2
+    return starts
+
+
+def test_auto_resume_on_restart_is_decided_over_all_ranks_and_a_resume_at_another_dp_keeps_the_global_batch(tmp_path: Path) -> None:
     # Decided alone, rank 0 would start afresh while rank 1 waits in the collective search for "latest".
-    assert run_distributed(_resume_where_one_rank_restarted, 2, str(tmp_path), timeout=120) == [[0, 2], [0, 2]]
+    starts = run_distributed(_resume_where_one_rank_restarted_and_save_from_an_own_loader, 2, str(tmp_path), timeout=150)
+    assert starts == [[0, 2], [0, 2]]
+    # A user's own loader (Lightning's DistributedSampler), saved at dp=2 with 2 x 2 = 4 samples a step, resumed by
+    # one process: at the same loader batch each step would train on 2, another run than the saved one's.
+    own = tmp_path / "own"
+    manifest = json.loads((own / "step=2.ckpt" / "manifest.json").read_text())
+    assert manifest["batch"] == {"loader_batch": 2, "data_parallel": 2, "accumulate_grad_batches": 1, "samples": 4}
+    refused = (r"resumes a checkpoint whose optimizer steps trained on 4 samples \(2 per loader batch x data_parallel=2 x "
+               r"accumulate_grad_batches=1\); at data_parallel=1 this fit's would train on 2 samples .*Keep 4 samples a step "
+               r"with Trainer\(accumulate_grad_batches=2\) or a loader batch_size of 4\..*global_batch_change='allow'")  # fmt: skip
+    with pytest.raises(ValueError, match=refused):
+        _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True)
+    # Each way of keeping 4 samples a step resumes and trains on; so does the opt-out, with a warning.
+    assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, accumulate=2).global_step == 4
+    assert _fit_own_loader(1, 4, steps=4, ckpt=own, resume=True).global_step == 4
+    with pytest.warns(UserWarning, match="another global batch"):
+        assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, change="allow").global_step == 4
+    with pytest.warns(UserWarning, match="the training loader has no integer batch_size"):  # a batch_sampler of its own
+        assert _fit_own_loader(1, None, steps=4, ckpt=own, resume=True).global_step == 4
+    with pytest.raises(ValueError, match=r"global_batch_change='keep' is not one of 'allow', 'refuse'"):
+        HybridParallelStrategy(global_batch_change="keep")
 
 
 # ---------------------------------------------------------------- the acceptance run: a node lost and back

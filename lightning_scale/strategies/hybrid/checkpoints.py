@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -36,7 +37,12 @@ from lightning_scale.plugins._rng import restore_rng_states
 from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
 from lightning_scale.plugins.preemption import PreemptionCheckpoint
 
-__all__ = ["ShardedCheckpoints", "sharded_state"]
+__all__ = ["ShardedCheckpoints", "sharded_state", "step_batch", "unwrapped_optimizer"]
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (others as they are)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def sharded_state(module: LightningModule, runner: PipelineRunner | None) -> ShardedState:
@@ -50,11 +56,13 @@ class ShardedCheckpoints:
     when asked: a user may set another one later), every rank taking part.
 
     State: ``resumed_by_latest``, the checkpoint ``"latest"`` (or an automatic resume) chose for the
-    running ``fit``: loading it makes this run continue that checkpoint's run.
+    running ``fit``: loading it makes this run continue that checkpoint's run; ``resumed_manifest``, the
+    manifest of the checkpoint the running ``fit`` resumed from, until :meth:`check_global_batch` read it.
     """
 
     def __init__(self) -> None:
         self.resumed_by_latest: str | None = None
+        self.resumed_manifest: dict[str, Any] | None = None
 
     @staticmethod
     def sharded(io: CheckpointIO) -> ShardedCheckpointIO:
@@ -138,6 +146,7 @@ class ShardedCheckpoints:
             "wandb_run_id": _wandb_run_id(module),
             "tied": state.groups(),
             "huggingface": _huggingface(module),
+            "batch": step_batch(attached_trainer(module), layout.dp),
         }
         if storage_options is not None:
             if not isinstance(storage_options, Mapping):
@@ -206,6 +215,7 @@ class ShardedCheckpoints:
         checkpoint = io.load_checkpoint(checkpoint_path, template=template, strict=strict)
         info = checkpoint["lightning_scale"]
         if fitting:
+            self.resumed_manifest = info["manifest"]
             io.resumed_from = io.as_path(info["path"])
             if self.resumed_by_latest == info["path"]:
                 io.continue_run(info["manifest"])
@@ -237,6 +247,66 @@ class ShardedCheckpoints:
             )
         for optimizer, saved in zip(optimizers, states):
             state.load_optimizer_state(optimizer, saved)
+
+
+    def check_global_batch(self, trainer: Trainer, dp: int, policy: str) -> None:
+        """At the start of a ``fit`` resumed from a checkpoint saved at another data-parallel size: the same
+        samples per optimizer step as the saved run, or ``ValueError`` (``policy="refuse"``; every rank alike,
+        from the same figures) or a warning (``"allow"``). A loader whose batch size cannot be read is warned of."""
+        manifest, self.resumed_manifest = self.resumed_manifest, None
+        saved_dp = (manifest or {}).get("layout", {}).get("dp")
+        if manifest is None or saved_dp is None or saved_dp == dp:
+            return
+        saved, now = manifest.get("batch"), step_batch(trainer, dp)
+        if saved is None or now is None:
+            rank_zero_warn(
+                f"This fit resumes a checkpoint saved at data_parallel={saved_dp} at data_parallel={dp}, and whether an "
+                "optimizer step still trains on as many samples cannot be told: "
+                + ("the checkpoint does not record it." if saved is None else "the training loader has no integer batch_size.")
+                + " Check that loader batch x data-parallel ranks x accumulate_grad_batches is what it was."
+            )
+            return
+        if now["samples"] == saved["samples"]:
+            return
+        message = (
+            f"This fit resumes a checkpoint whose optimizer steps trained on {_describe(saved)}; at data_parallel={dp} this "
+            f"fit's would train on {_describe(now)}: another global batch, so it would not continue that run "
+            f"as one process would. {_keeping(saved['samples'], now)}lightning_scale.data.TextDataModule(global_batch_size=..., "
+            "micro_batch_size=...) keeps it at every size by itself. To train on with the new global batch, pass "
+            "HybridParallelStrategy(global_batch_change='allow')."
+        )
+        if policy == "refuse":
+            raise ValueError(message)
+        rank_zero_warn(message)
+
+
+def step_batch(trainer: Trainer | None, dp: int) -> dict[str, int] | None:
+    """What an optimizer step of the running ``fit`` trains on: the training loader's ``batch_size`` (per
+    data-parallel rank) x ``dp`` x ``accumulate_grad_batches``; ``None`` outside a fit, or for a loader without an
+    integer ``batch_size`` (a ``batch_sampler`` of its own, several loaders)."""
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    batch = getattr(trainer.train_dataloader, "batch_size", None)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        return None
+    accumulate = int(trainer.accumulate_grad_batches)
+    return {"loader_batch": batch, "data_parallel": dp, "accumulate_grad_batches": accumulate, "samples": batch * dp * accumulate}
+
+
+def _describe(batch: Mapping[str, int]) -> str:
+    return (f"{batch['samples']} samples ({batch['loader_batch']} per loader batch x data_parallel={batch['data_parallel']} "
+            f"x accumulate_grad_batches={batch['accumulate_grad_batches']})")  # fmt: skip
+
+
+def _keeping(samples: int, now: Mapping[str, int]) -> str:
+    """The settings that give ``samples`` per optimizer step at this run's data-parallel size."""
+    ways = []
+    per_rank = now["loader_batch"] * now["data_parallel"]
+    if samples % per_rank == 0:
+        ways.append(f"Trainer(accumulate_grad_batches={samples // per_rank})")
+    if samples % (now["data_parallel"] * now["accumulate_grad_batches"]) == 0:
+        ways.append(f"a loader batch_size of {samples // (now['data_parallel'] * now['accumulate_grad_batches'])}")
+    return f"Keep {samples} samples a step with {' or '.join(ways)}. " if ways else ""
 
 
 def _inside_accumulation_window(module: LightningModule) -> bool:

@@ -17,7 +17,7 @@ from lightning_scale.core.parallel.layout import Layout, check_size
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 from lightning_scale.core.resilience.watchdog import hang_timeout_policy
 
-__all__ = ["LOSS_STAGES", "PARTITIONS", "PLANNED", "PRESETS", "ParallelOptions", "loss_names"]
+__all__ = ["GLOBAL_BATCH_CHANGES", "LOSS_STAGES", "PARTITIONS", "PLANNED", "PRESETS", "ParallelOptions", "loss_names"]
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid": ("data x tensor x pipeline parallelism", {}),
@@ -28,6 +28,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 description and the options each name sets."""
 
 PARTITIONS = ("by_layers", "by_params", "by_cost")
+GLOBAL_BATCH_CHANGES = ("refuse", "allow")
 LOSS_STAGES = ("train", "val", "test")
 Size = int | Literal["auto"]
 T = TypeVar("T")
@@ -54,6 +55,7 @@ _NON_STRUCTURAL = frozenset(
         "bucket_cap_mb",
         "gradient_as_bucket_view",
         "hang_timeout",
+        "global_batch_change",
     }
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
@@ -173,6 +175,10 @@ class ParallelOptions:
     """The hang watchdog (:class:`~lightning_scale.plugins.HangWatchdog`, added to every ``fit``): ``"auto"`` (a step
     is a hang past max(120 s, 10x the recent median step), 600 s for the first 3), seconds, a mapping of
     :class:`~lightning_scale.core.resilience.HangTimeout`'s fields, or ``0``/``False`` (off)."""
+    global_batch_change: str = "refuse"
+    """A ``fit`` resumed at another data-parallel size whose loader makes an optimizer step of another number of
+    samples than the checkpoint's run (loader batch x data-parallel ranks x ``accumulate_grad_batches``): ``"refuse"``
+    (``ValueError`` at the fit's start, naming the settings that keep it) or ``"allow"`` (a warning; trains on)."""
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     @classmethod
@@ -287,6 +293,8 @@ class ParallelOptions:
         check_positive_int("powersgd_rank", self.powersgd_rank)
         check_positive_int("powersgd_start_iter", self.powersgd_start_iter)
         hang_timeout_policy(self.hang_timeout)  # ValueError naming the value and what to pass
+        if self.global_batch_change not in GLOBAL_BATCH_CHANGES:
+            raise ValueError(f"global_batch_change={self.global_batch_change!r} is not one of {format_choices(GLOBAL_BATCH_CHANGES)}.")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "

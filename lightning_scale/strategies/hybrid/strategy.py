@@ -13,7 +13,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,7 +33,7 @@ from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_n
 from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.plugins import HangWatchdog, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins._stock import as_mesh_precision
-from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state
+from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state, unwrapped_optimizer as _unwrapped
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
@@ -45,10 +44,6 @@ from lightning_scale.strategies.hybrid.planning import AutoLayout
 from lightning_scale.strategies.hybrid.state import ParallelState
 
 __all__ = ["HybridParallelStrategy"]
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 @ParallelOptions.spelled_out  # the signature lists every option (inspect, help, the configs' checks)
@@ -385,6 +380,10 @@ class HybridParallelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         optimizers, partial_load = [_unwrapped(o) for o in self.optimizers], self.layout.pp > 1
         self._checkpoints.load_optimizer_states(self._sharded_state(), optimizers, checkpoint, partial=partial_load)
+
+    @override
+    def on_train_start(self) -> None:  # a resume at another data-parallel size keeps the global batch, or is refused
+        self._checkpoints.check_global_batch(lc.attached_trainer(self.lightning_module), self.layout.dp, self.options.global_batch_change)
 
     @override
     def teardown(self) -> None:  # not the base class's: it would move the sharded model to the CPU
