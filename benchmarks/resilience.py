@@ -10,7 +10,7 @@ run, on two processes.
 Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT on the bundled corpus,
 gradient clipping at 1.0, no other callback. Within each fit both are switched on and off every ``--block`` steps
 (on: the watchdog's thread runs and the training loop beats its heart, and the goodput monitor records: its
-ledger's events, its progress thread writing every second, its progress attribute set each step, its
+ledger's events, its progress thread writing every second (it reads the step itself), its
 ``goodput/...`` metrics at the logging steps; off: none of it), both ranks alike; the order alternates between
 rounds. A step's time is the gap between two ``on_train_batch_end``
 calls on rank 0; the first ``--warmup`` steps of a fit and the first step of every block (which pays the

@@ -133,8 +133,9 @@ def log_metrics(trainer: Any, metrics: dict[str, Any], step: int) -> None:
 
 def should_accumulate(trainer: Any) -> bool:
     """Whether the current batch is a gradient-accumulation micro-step (no optimizer step after it): the
-    training epoch loop's private ``_should_accumulate()``. No public alternative."""
-    return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+    training epoch loop's private ``_should_accumulate()`` (without accumulation never: every batch reaches
+    ``accumulate_grad_batches=1``, so that method returns False without a call). No public alternative."""
+    return trainer.accumulate_grad_batches != 1 and bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
 def set_batches_that_stepped(trainer: Any, count: int) -> None:

@@ -24,7 +24,7 @@ from lightning_scale.callbacks import goodput as goodput_callback
 from lightning_scale.callbacks.goodput import GOODPUT_METRICS
 
 from lightning_scale.core.resilience.goodput import PARTS, parse_event, read_ledger, summarize
-from lightning_scale.core.resilience.goodput_ledger import append_event, process_start_time
+from lightning_scale.core.resilience.goodput_ledger import ProgressWriter, append_event, process_start_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,6 +217,19 @@ def test_the_monitor_writes_the_ledger_logs_goodput_and_a_later_fit_starts_a_run
     start = [json.loads(line) for line in (tmp_path / "goodput" / "events.jsonl").read_text().splitlines()][5]
     assert start["event"] == "start" and start["resumed_step"] == 4
     assert start["resumed_commit"] == (tmp_path / "ckpt" / "step=4.ckpt").stat().st_mtime
+
+
+def test_the_progress_file_reads_the_step_through_a_function_and_keeps_the_last_when_it_fails(tmp_path: Path) -> None:
+    steps = iter([3, 7])
+
+    def step() -> int:
+        return next(steps)  # then StopIteration: what it reads is gone (a trainer torn down)
+
+    writer = ProgressWriter(tmp_path, "a", step=step, period_s=60)
+    writer.path.parent.mkdir(parents=True)
+    for expected in (3, 7, 7):
+        writer.write()
+        assert json.loads(writer.path.read_text())["step"] == expected
 
 
 def test_progress_s_must_be_a_positive_number_of_seconds() -> None:

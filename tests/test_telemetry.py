@@ -88,6 +88,29 @@ def _fit(callbacks: list[Callback], steps: int = 3, **trainer_kwargs: Any) -> Lo
     return logged
 
 
+class _StopsWhileDeciding(Callback):
+    """Asks telemetry.should_log before and after setting should_stop (which Lightning also logs at) in one batch."""
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[bool, bool]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        before = telemetry.should_log(trainer)
+        trainer.should_stop = trainer.should_stop or trainer.global_step == 2
+        self.answers.append((before, telemetry.should_log(trainer)))
+
+
+def test_a_batch_is_a_logging_step_for_every_callback_or_for_none() -> None:
+    # Were each callback to decide for itself, those after one that stops the fit would take part in a logging
+    # step's shared reduction that those before it skipped. Decided once per batch (of the fit), they agree.
+    stopper = _StopsWhileDeciding()
+    _fit([stopper], steps=6, log_every_n_steps=3)
+    assert stopper.answers == [(False, False), (False, False)]  # stopped at step 2, the second batch
+    stopper = _StopsWhileDeciding()
+    _fit([stopper], steps=3, log_every_n_steps=1)
+    assert stopper.answers == [(True, True), (True, True)]
+
+
 # ---------------------------------------------------------------------------- model facts
 
 

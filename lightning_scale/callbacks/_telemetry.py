@@ -331,9 +331,20 @@ def _reduce_round(trainer: Trainer, round_: _Round) -> None:
             part.then()
 
 
+_LOGGING = "_lightning_scale_logging_batch"
+
+
 def should_log(trainer: Trainer) -> bool:
-    """At Lightning's logging steps (``Trainer(log_every_n_steps=...)``), once the accumulation window closed."""
-    return should_update_logs(trainer) and not should_accumulate(trainer)
+    """At Lightning's logging steps (``Trainer(log_every_n_steps=...)``), once the accumulation window closed.
+    Decided once per training batch, for every callback alike (a later callback setting ``should_stop``, which
+    Lightning also logs at, does not split them: each takes part in the logging step's reduction or none does)."""
+    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready  # counts every batch of the fit, never repeats
+    decided = trainer.__dict__.get(_LOGGING)
+    if decided is not None and decided[0] == batch:
+        return decided[1]
+    logging = should_update_logs(trainer) and not should_accumulate(trainer)
+    trainer.__dict__[_LOGGING] = (batch, logging)
+    return logging
 
 
 def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[str] = ()) -> None:

@@ -36,8 +36,9 @@ class GoodputMonitor(telemetry.SharedTelemetry):
     Global rank 0 appends the attempt's events to ``<dirpath>/goodput/events.jsonl`` (its process start and the
     checkpoint it resumed, its first step, each checkpoint save with the seconds it blocked training, its end)
     and a thread of its own rewrites ``goodput/progress-<attempt>.json`` every ``progress_s`` seconds (the last
-    time it was alive, and its step): all a SIGKILLed attempt leaves. The other ranks do nothing. Per training
-    step: one attribute store; no collective, host sync or file write (the metrics are published with the
+    time it was alive, and its step, which the thread reads itself): all a SIGKILLed attempt leaves. The other
+    ranks do nothing. Per training step: nothing but the logging-step check; no collective, host sync or file
+    write (the metrics are published with the
     other telemetry callbacks' at logging steps, and add no numbers to their reduction).
     :func:`lightning_scale.core.resilience.goodput.read_ledger` and ``summarize`` turn the ledger (with the hang
     watchdog's ``hang/events.jsonl``) into productive, lost, checkpoint, start-up, restart, rendezvous and hang
@@ -82,7 +83,8 @@ class GoodputMonitor(telemetry.SharedTelemetry):
         self._event("start", time=started, step=trainer.global_step, relaunch=restarted(),
                     resumed_step=trainer.global_step if resumed or trainer.global_step > 0 else None,
                     resumed_commit=commit, restart_count=restarts, pid=os.getpid())  # fmt: skip
-        self._progress = ProgressWriter(self._root, self._attempt, step=trainer.global_step, period_s=self.progress_s)
+        # The writer's thread reads the step itself: nothing per training step here.
+        self._progress = ProgressWriter(self._root, self._attempt, step=lambda: trainer.global_step, period_s=self.progress_s)
         self._progress.start()
         self._first_pending = True
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, lambda seconds: self._saved(trainer, seconds)))
@@ -97,8 +99,6 @@ class GoodputMonitor(telemetry.SharedTelemetry):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._progress is not None:
-            self._progress.step = trainer.global_step
         if telemetry.should_log(trainer):  # published with the other telemetry (every process takes part)
             telemetry.contribute(trainer, self, telemetry.Share((), "sum", lambda _: self._metrics()))
 

@@ -94,11 +94,18 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
 
     def _close(self, part: str, now: Any) -> None:
         assert self._mark is not None
-        self._spans.append((part, telemetry.Duration(self._mark, now), self._pending))
-        self._pending = []
+        if self._cuda:
+            self._spans.append((part, telemetry.Duration(self._mark, now), self._pending))
+            self._pending = []
+        else:  # host clock readings: into the sums now, less what checkpoints and collectives took inside
+            inside, span = self._pending, now - self._mark
+            if inside:
+                span -= sum(d.seconds() for d in inside)
+                self._pending = []
+            self._sums[part] += max(0.0, span)
+            if self._comm:
+                self._settle()
         self._mark = now
-        if not self._cuda:
-            self._settle()
 
     def _settle(self) -> None:
         """Add the closed spans to the sums (on a GPU at logging steps only: reading an event waits for it)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -20,14 +20,6 @@ from lightning_scale.core.telemetry.model_facts import FLOPS_HOOK, ModelFacts
 from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, device_peak, machine_key, measured_peak, recorded_peak
 
 __all__ = ["Throughput"]
-
-
-class _Mark(NamedTuple):
-    time: float
-    tokens: float
-    samples: float
-    flops: float
-    recomputed: float
 
 
 class Throughput(telemetry.SharedTelemetry):
@@ -114,7 +106,8 @@ class Throughput(telemetry.SharedTelemetry):
         self.facts: ModelFacts | None = None
         self._peak: float | None = None
         self._measured_peak = False
-        self._marks: deque[_Mark] = deque(maxlen=window + 1)
+        self._marks: deque[tuple[float, ...]] = deque(maxlen=window + 1)  # (time, *totals) after each step
+        self._per_token: dict[int, tuple[float, float]] = {}  # seq_len -> model and recomputed FLOPs per token
         # tokens, samples, model and recomputed FLOPs on this process since fit started
         self._totals = [0.0, 0.0, 0.0, 0.0]
 
@@ -127,6 +120,7 @@ class Throughput(telemetry.SharedTelemetry):
         self._per_replica = trainer.world_size / telemetry.replicas(trainer)  # processes per replica
         self._peak, self._measured_peak = self._find_peak(trainer)
         self._marks.clear()
+        self._per_token = {}
         self._totals = [0.0, 0.0, 0.0, 0.0]
         self._clock = telemetry.TrainClock()
         self._warned_flops = self._warned_recomputed = False
@@ -181,7 +175,7 @@ class Throughput(telemetry.SharedTelemetry):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._marks.append(_Mark(self._clock.now(), *self._totals))
+        self._marks.append((self._clock.now(), *self._totals))
 
     @override
     def on_train_batch_end(
@@ -189,8 +183,28 @@ class Throughput(telemetry.SharedTelemetry):
     ) -> None:
         samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
         tokens = samples * seq_len  # what the model computes on, padding included: its FLOPs
-        self._totals[0] += tokens if self.token_count is None else self._counted(batch)
-        self._totals[1] += samples
+        totals = self._totals
+        totals[0] += tokens if self.token_count is None else self._counted(batch)
+        totals[1] += samples
+        per_token = self._per_token.get(seq_len)
+        if per_token is None:  # counted once per sequence length: this hook runs every step
+            per_token = self._per_token[seq_len] = self._flops_at(pl_module, batch, seq_len)
+        totals[2] += tokens * per_token[0]
+        totals[3] += tokens * per_token[1]
+        if should_accumulate(trainer):
+            return
+        self._marks.append((self._clock.now(), *totals))  # (time, tokens, samples, flops, recomputed)
+        if telemetry.should_log(trainer):
+            (start, *first), (end, *last) = self._marks[0], self._marks[-1]
+            window = [b - a for a, b in zip(first, last)]
+            seconds, batches = end - start, len(self._marks) - 1
+            telemetry.contribute(trainer, self, telemetry.Share(
+                [*window, *totals[:2]], "sum", lambda reduced: self._metrics(trainer, reduced, seconds, batches),
+                prog_bar=("train/tokens_per_sec", "train/mfu"),
+            ))  # fmt: skip
+
+    def _flops_at(self, pl_module: LightningModule, batch: Any, seq_len: int) -> tuple[float, float]:
+        """Model and recomputed FLOPs per token at ``seq_len`` (0.0 where unknown, with a warning)."""
         assert self.facts is not None
         if self.facts.source == "none" and not self._warned_flops and self._uncut:
             # A strategy that does not cut the model (DDP): count one training step on meta tensors now.
@@ -203,20 +217,7 @@ class Throughput(telemetry.SharedTelemetry):
                 "hook, no transformer config, and FlopCounterMode could not run its training step on meta tensors), so "
                 f"train/mfu is not logged. Define {type(pl_module).__name__}.{FLOPS_HOOK}(self, seq_len) -> float."
             )
-        self._totals[2] += tokens * (flops or 0.0)
-        self._totals[3] += tokens * self._recomputed(seq_len)
-        if should_accumulate(trainer):
-            return
-        self._marks.append(_Mark(self._clock.now(), *self._totals))
-        if telemetry.should_log(trainer):
-            first, last = self._marks[0], self._marks[-1]
-            window = (last.tokens - first.tokens, last.samples - first.samples, last.flops - first.flops,
-                      last.recomputed - first.recomputed)  # fmt: skip
-            seconds, batches = last.time - first.time, len(self._marks) - 1
-            telemetry.contribute(trainer, self, telemetry.Share(
-                [*window, *self._totals[:2]], "sum", lambda totals: self._metrics(trainer, totals, seconds, batches),
-                prog_bar=("train/tokens_per_sec", "train/mfu"),
-            ))  # fmt: skip
+        return flops or 0.0, self._recomputed(seq_len)
 
     def _metrics(self, trainer: Trainer, totals: list[float], seconds: float, batches: int) -> dict[str, float]:
         """The metrics over the window of ``seconds`` and ``batches`` optimizer steps, from the processes'

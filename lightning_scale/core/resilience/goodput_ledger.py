@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +59,18 @@ def append_event(run_dir: str | os.PathLike, event: Mapping[str, Any]) -> dict[s
 
 class ProgressWriter:
     """A daemon thread that rewrites ``<run_dir>/goodput/progress-<attempt>.json`` every ``period_s`` seconds with
-    the attempt's step (:attr:`step`, which the training loop sets: one attribute store) and the time it was seen
-    alive. ``stop()`` writes it once more and joins the thread."""
+    the attempt's step and the time it was seen alive. ``step``: a number the training loop updates (:attr:`step`),
+    or a function the thread calls to read it (nothing for the loop to do per step). ``stop()`` writes it once
+    more and joins the thread."""
 
-    def __init__(self, run_dir: str | os.PathLike, attempt: str, *, step: int = 0, period_s: float = 1.0) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike, attempt: str, *, step: int | Callable[[], int] = 0, period_s: float = 1.0
+    ) -> None:
         self.period_s = check_positive_number("progress_s", period_s, unit="seconds")
         self.path = ledger_dir(run_dir) / f"{PROGRESS_PREFIX}{attempt}.json"
         self.attempt = attempt
         self.step = step
+        self._last_step = 0 if callable(step) else step
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -86,10 +90,19 @@ class ProgressWriter:
     def write(self) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            tmp.write_text(json.dumps({"attempt": self.attempt, "step": self.step, "time": time.time()}))
+            tmp.write_text(json.dumps({"attempt": self.attempt, "step": self._read_step(), "time": time.time()}))
             os.replace(tmp, self.path)
         except OSError:  # a full or vanished disk: the ledger loses precision, training goes on
             pass
+
+    def _read_step(self) -> int:
+        if not callable(self.step):
+            return self.step
+        try:
+            self._last_step = int(self.step())
+        except Exception:  # noqa: BLE001 (what it reads may be torn down as the run ends: the last step read stands)
+            pass
+        return self._last_step
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):

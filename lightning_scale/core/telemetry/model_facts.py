@@ -30,6 +30,7 @@ recomputation costs; ``checkpointed_blocks`` says which blocks a run wraps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,16 +98,19 @@ def batch_shape(batch: Any) -> tuple[int, int] | None:
     id) tensors have ``numel / samples`` tokens per sample; floating-point inputs (features, images)
     count one per sample. ``None`` when no tensor is found."""
     tokens = batch
-    if isinstance(batch, Mapping):
+    if isinstance(batch, (tuple, list)):  # (checked first: the usual batch, and cheaper than the Mapping check)
+        tokens = batch[0] if batch else None
+    elif isinstance(batch, Mapping):
         tokens = batch.get("input_ids", next((v for v in batch.values() if isinstance(v, torch.Tensor)), None))
-    elif isinstance(batch, (tuple, list)) and batch:
-        tokens = batch[0]
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() == 0:
+    if not isinstance(tokens, torch.Tensor):
         return None
-    samples = tokens.shape[0]
-    if tokens.is_floating_point() or tokens.is_complex():
+    shape = tokens.shape  # (read once: called every training step)
+    if not shape:
+        return None
+    samples, dtype = shape[0], tokens.dtype
+    if dtype.is_floating_point or dtype.is_complex:
         return samples, 1
-    return samples, (tokens.numel() // samples if samples else 0)
+    return samples, (math.prod(shape[1:]) if samples else 0)
 
 
 @dataclass(frozen=True)
