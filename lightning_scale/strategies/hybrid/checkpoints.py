@@ -90,7 +90,7 @@ class ShardedCheckpoints:
         A fit that resumes this way continues the checkpoint's run (``ShardedCheckpointIO.continue_run``)."""
         io = self.sharded(checkpoint_io)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.resumed_by_latest = None
+        self.resumed_by_latest = self.resumed_manifest = None  # (a fit that failed after its load left one)
         wanted = path == "latest" or (
             path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and _any_restarted(trainer)))
         )
@@ -248,21 +248,22 @@ class ShardedCheckpoints:
         for optimizer, saved in zip(optimizers, states):
             state.load_optimizer_state(optimizer, saved)
 
-
     def check_global_batch(self, trainer: Trainer, dp: int, policy: str) -> None:
         """At the start of a ``fit`` resumed from a checkpoint saved at another data-parallel size: the same
         samples per optimizer step as the saved run, or ``ValueError`` (``policy="refuse"``; every rank alike,
         from the same figures) or a warning (``"allow"``). A loader whose batch size cannot be read is warned of."""
-        manifest, self.resumed_manifest = self.resumed_manifest, None
-        saved_dp = (manifest or {}).get("layout", {}).get("dp")
-        if manifest is None or saved_dp is None or saved_dp == dp:
+        manifest, self.resumed_manifest = self.resumed_manifest or {}, None
+        layout = manifest.get("layout")
+        saved_dp = layout.get("dp") if isinstance(layout, Mapping) else None
+        if type(saved_dp) is not int or saved_dp == dp:
             return
-        saved, now = manifest.get("batch"), step_batch(trainer, dp)
+        saved, now = _recorded(manifest.get("batch")), step_batch(trainer, dp)
         if saved is None or now is None:
             rank_zero_warn(
                 f"This fit resumes a checkpoint saved at data_parallel={saved_dp} at data_parallel={dp}, and whether an "
                 "optimizer step still trains on as many samples cannot be told: "
-                + ("the checkpoint does not record it." if saved is None else "the training loader has no integer batch_size.")
+                + ("the checkpoint does not record it (saved by an older version, or from a loader without an integer "
+                   "batch_size)." if saved is None else "the training loader has no integer batch_size.")
                 + " Check that loader batch x data-parallel ranks x accumulate_grad_batches is what it was."
             )
             return
@@ -291,6 +292,14 @@ def step_batch(trainer: Trainer | None, dp: int) -> dict[str, int] | None:
         return None
     accumulate = int(trainer.accumulate_grad_batches)
     return {"loader_batch": batch, "data_parallel": dp, "accumulate_grad_batches": accumulate, "samples": batch * dp * accumulate}
+
+
+def _recorded(batch: Any) -> dict[str, int] | None:
+    """A manifest's ``batch`` as :func:`step_batch` wrote it, else ``None`` (nothing read from a file is trusted)."""
+    keys = ("loader_batch", "data_parallel", "accumulate_grad_batches", "samples")
+    if not isinstance(batch, Mapping) or not all(type(batch.get(k)) is int and batch[k] >= 1 for k in keys):
+        return None
+    return {k: batch[k] for k in keys}
 
 
 def _describe(batch: Mapping[str, int]) -> str:
