@@ -21,7 +21,7 @@ import torch
 from helpers.distributed import run_distributed
 from helpers.lightning import quiet_trainer
 from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_scale.core.parallel.layout import Layout, resolve_layout
@@ -277,12 +277,12 @@ def _own_loader(batch_size: int | None, samples: int = 64) -> DataLoader:
 
 
 def _fit_own_loader(devices: int, batch_size: int | None, *, steps: int, ckpt: Path, resume: bool = False,
-                    accumulate: int = 1, change: str = "refuse") -> Trainer:  # fmt: skip
+                    accumulate: int = 1, change: str = "refuse", callbacks: tuple[Callback, ...] = ()) -> Trainer:  # fmt: skip
     seed_everything(0, verbose=False)
     every = ModelCheckpoint(ckpt, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0, global_batch_change=change)
     trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-                            enable_checkpointing=not resume, callbacks=[] if resume else [every])  # fmt: skip
+                            enable_checkpointing=not resume, callbacks=[*callbacks] if resume else [every, *callbacks])  # fmt: skip
     trainer.fit(GPTLightningModule(CONFIG), train_dataloaders=_own_loader(batch_size), ckpt_path=str(ckpt / "step=2.ckpt") if resume else None)
     return trainer
 
@@ -310,9 +310,12 @@ def test_auto_resume_on_restart_is_decided_over_all_ranks_and_a_resume_at_anothe
     # Each way of keeping 4 samples a step resumes and trains on; so does the opt-out, with a warning.
     assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, accumulate=2).global_step == 4
     assert _fit_own_loader(1, 4, steps=4, ckpt=own, resume=True).global_step == 4
+    # A scheduler's accumulation counts (it sets it on the Trainer only when an epoch starts, after this check).
+    scheduler = GradientAccumulationScheduler({0: 2})
+    assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, callbacks=(scheduler,)).global_step == 4
     with pytest.warns(UserWarning, match="another global batch"):
         assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, change="allow").global_step == 4
-    with pytest.warns(UserWarning, match="the training loader has no integer batch_size"):  # a batch_sampler of its own
+    with pytest.warns(UserWarning, match="the training loader has no integer batch_size"):  # ready batches, no batch_size
         assert _fit_own_loader(1, None, steps=4, ckpt=own, resume=True).global_step == 4
     with pytest.raises(ValueError, match=r"global_batch_change='keep' is not one of 'allow', 'refuse'"):
         HybridParallelStrategy(global_batch_change="keep")

@@ -107,8 +107,8 @@ def test_a_batch_is_a_logging_step_for_every_callback_or_for_none() -> None:
     _fit([stopper], steps=6, log_every_n_steps=3)
     assert stopper.answers == [(False, False), (False, False)]  # stopped at step 2, the second batch
     stopper = _StopsWhileDeciding()
-    _fit([stopper], steps=3, log_every_n_steps=1)
-    assert stopper.answers == [(True, True), (True, True)]
+    _fit([stopper], steps=3, log_every_n_steps=2)  # decided anew for each batch
+    assert stopper.answers == [(False, False), (True, True)]
 
 
 # ---------------------------------------------------------------------------- model facts

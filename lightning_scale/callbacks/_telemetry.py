@@ -14,7 +14,7 @@ from lightning_scale._lightning_compat import log_metrics, should_accumulate, sh
 from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
 
 __all__ = ["Duration", "Share", "SharedTelemetry", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "contribute",
-           "device_name", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
+           "device_name", "forget_logging_step", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
            "should_log"]
 
 clock: Callable[[], float] = time.perf_counter
@@ -81,6 +81,9 @@ class TimedCallback(Callback):
     def _run_cleanups(self) -> None:
         while self._cleanups:
             self._cleanups.pop()()
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        forget_logging_step(trainer)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._clock.pause()
@@ -345,6 +348,12 @@ def should_log(trainer: Trainer) -> bool:
     logging = should_update_logs(trainer) and not should_accumulate(trainer)
     trainer.__dict__[_LOGGING] = (batch, logging)
     return logging
+
+
+def forget_logging_step(trainer: Trainer) -> None:
+    """At a fit's start: a fit resumed from an earlier checkpoint counts its batches from there again, so
+    :func:`should_log`'s decision for a batch of an earlier fit must not stand for one of this fit."""
+    trainer.__dict__.pop(_LOGGING, None)
 
 
 def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[str] = ()) -> None:

@@ -79,6 +79,7 @@ class NumericalHealth(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning_scale.plugins import MixedPrecision
 
+        telemetry.forget_logging_step(trainer)
         plugin = trainer.precision_plugin
         if not isinstance(plugin, MixedPrecision):
             raise ValueError(

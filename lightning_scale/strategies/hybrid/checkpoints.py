@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -258,6 +259,14 @@ class ShardedCheckpoints:
         if type(saved_dp) is not int or saved_dp == dp:
             return
         saved, now = _recorded(manifest.get("batch")), step_batch(trainer, dp)
+        differs = saved is not None and now is not None and now["samples"] != saved["samples"]
+        # Decided alike on every rank (a loader whose batch differs between ranks must not stop some of them only).
+        anywhere = bool(collectives.reduce(torch.tensor([int(differs)], device=trainer.strategy.root_device), reduce_op="max").item())
+        if anywhere and not differs and policy == "refuse":
+            raise ValueError(
+                "This fit resumes a checkpoint saved at another data-parallel size, and another rank's training loader "
+                "makes an optimizer step of another number of samples than the checkpoint's run: see that rank's error."
+            )
         if saved is None or now is None:
             rank_zero_warn(
                 f"This fit resumes a checkpoint saved at data_parallel={saved_dp} at data_parallel={dp}, and whether an "
@@ -267,7 +276,7 @@ class ShardedCheckpoints:
                 + " Check that loader batch x data-parallel ranks x accumulate_grad_batches is what it was."
             )
             return
-        if now["samples"] == saved["samples"]:
+        if not differs:
             return
         message = (
             f"This fit resumes a checkpoint whose optimizer steps trained on {_describe(saved)}; at data_parallel={dp} this "
@@ -291,6 +300,9 @@ def step_batch(trainer: Trainer | None, dp: int) -> dict[str, int] | None:
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         return None
     accumulate = int(trainer.accumulate_grad_batches)
+    for callback in trainer.callbacks:  # its epoch's value, which it sets only when the epoch starts
+        if isinstance(callback, GradientAccumulationScheduler):
+            accumulate = int(callback.get_accumulate_grad_batches(trainer.current_epoch))
     return {"loader_batch": batch, "data_parallel": dp, "accumulate_grad_batches": accumulate, "samples": batch * dp * accumulate}
 
 
