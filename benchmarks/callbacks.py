@@ -27,7 +27,11 @@ the logging step). Per cycle, ``ours / none - 1`` and ``ours / lightning``:
 ``overhead_fraction`` and ``ratio_vs_throughput_monitor`` are their medians over cycles (targets <= 0.01 and
 <= 1.01; the physical bound is no overhead at all), ``overhead_mean`` and ``ratio_vs_throughput_monitor_mean``
 their means with the standard errors ``overhead_se`` and ``ratio_vs_throughput_monitor_se`` (the cycles'
-standard deviation over the square root of their number), the precision of the comparison. The per-step
+standard deviation over the square root of their number), the precision of the comparison within one pair
+of processes. Every round runs in two processes of their own, since the overhead changes from one process
+start to the next by more than that (0.5 to 2% on the same code, 2026-12-04: cold-cache costs depend on where
+things land in memory): ``overhead_by_round`` and ``ratio_vs_throughput_monitor_by_round`` are each round's
+mean, ``overhead_between_rounds_se`` their standard error, the honest precision of the mean. The per-step
 hooks are also timed directly (summed per step, over the steps their variant ran): ``hook_fraction`` is that
 time over the step of ``none``, and ``hook_ratio_vs_throughput_monitor`` the same comparison against
 ThroughputMonitor's hooks, timed alike. Left in every variant (ours, set up once per fit): StepTimeBreakdown's
@@ -200,7 +204,10 @@ def main() -> None:
         __doc__, "callbacks", rounds=3, steps=1510, steps_help="optimizer steps per fit (cycles of 3 logging intervals, plus warm-up)",
         extra=lambda p: p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them"),
     )  # fmt: skip
-    fits = run_workers(_worker, WORLD, args)
+    # Each round in two processes of their own: what differs from one process start to the next (the memory
+    # layout the caches see) then shows in the spread over rounds, which the cycles of one round cannot show.
+    fits = [fit for _ in range(args.rounds) for fit in run_workers(_worker, WORLD, argparse.Namespace(**(vars(args) | {"rounds": 1})))]
+    by_round: dict[str, list[float]] = {"none": [], "lightning": []}  # each round's mean of its cycles' ratios
     ratios: dict[str, list[float]] = {"none": [], "lightning": []}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     hook_s = {"ours": 0.0, "lightning": 0.0}
@@ -214,13 +221,18 @@ def main() -> None:
         for name in VARIANTS:
             gc_s[name] += gc_seconds[name]
             gc_runs[name] = [a + b for a, b in zip(gc_runs[name], gc_counts[name])]
+        round_ratios: dict[str, list[float]] = {"none": [], "lightning": []}
         for cycle in gaps.values():
             if all(len(cycle.get(v, [])) == args.log_every for v in VARIANTS):  # whole cycles only
                 means = {v: statistics.mean(cycle[v]) for v in VARIANTS}
                 for other in ratios:
                     ratios[other].append(means["ours"] / means[other])
+                    round_ratios[other].append(means["ours"] / means[other])
                 for v in VARIANTS:
                     times[v] += cycle[v]
+        for other, values in round_ratios.items():
+            if values:
+                by_round[other].append(statistics.mean(values))
         for name in hook_s:
             hook_s[name] += hooks[name]
         for name in steps_run:
@@ -241,6 +253,9 @@ def main() -> None:
         "overhead_mean": overhead_mean,
         "overhead_se": overhead_se,
         "overhead_of_means": step["ours"] / step["none"] - 1,
+        "overhead_by_round": [r - 1 for r in by_round["none"]],
+        "overhead_between_rounds_se": _spread([r - 1 for r in by_round["none"]])[1],
+        "ratio_vs_throughput_monitor_by_round": by_round["lightning"],
         "ratio_vs_throughput_monitor": statistics.median(ratios["lightning"]),
         "ratio_vs_throughput_monitor_mean": ratio_mean,
         "ratio_vs_throughput_monitor_se": ratio_se,

@@ -188,6 +188,7 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     # 16 steps, cycles of 3 logging intervals of 2: cycle 0 starts in the warm-up, cycle 2 is cut short.
     assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
     assert report["overhead_se"] is None and isinstance(report["overhead_mean"], float)  # one cycle: no spread
+    assert len(report["overhead_by_round"]) == 1 and report["overhead_between_rounds_se"] is None  # one round
     assert 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
@@ -197,8 +198,9 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> None:
     report = _bench(
         "resilience", "resilience.py", "--steps", "12", "--warmup", "2", "--rounds", "2", "--block", "2", "--seq", "16",
-        "--batch", "4", out=tmp_path / "resilience.json",
+        "--batch", "4", "--processes", "2", out=tmp_path / "resilience.json",
     )  # fmt: skip
+    assert len(report["overhead_by_processes"]) == 2 and isinstance(report["overhead_between_processes_se"], float)
     assert set(report["step_s"]) == {"off", "on"} and min(report["step_s"].values()) > 0
     # 12 steps in blocks of 2, the first 2 and each block's first dropped: 5 blocks a fit, alternating, 4 pairs.
     assert report["block_pairs"] == 8 and isinstance(report["overhead_fraction"], float)
