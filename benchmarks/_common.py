@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -170,6 +171,12 @@ def join_process_group(rank: int, world: int, port: int, **env: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=600))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and its standard error (``None`` from one value)."""
+    mean = statistics.mean(values)
+    return mean, statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
 
 
 def run_workers(worker: Callable[..., None], world: int, args: argparse.Namespace) -> Any:

@@ -44,7 +44,7 @@ Prints ``BENCH callbacks {json}`` last and writes benchmarks/results/callbacks.j
 from __future__ import annotations
 
 import argparse
-import math
+import gc
 import statistics
 import tempfile
 import time
@@ -54,7 +54,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ThroughputMonitor
 
-from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, run_workers
+from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
 
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import PRESETS, GPTLightningModule
@@ -108,8 +108,6 @@ class _Interleave(Callback):
         self.gc_s = dict.fromkeys(VARIANTS, 0.0)  # the garbage collector's pauses in each variant's steps
         self.gc_runs = {name: [0, 0, 0] for name in VARIANTS}  # its collections there, by generation
         self._gc_start = 0.0
-        import gc
-
         gc.callbacks.append(self._gc)
 
     def _gc(self, phase: str, info: dict[str, int]) -> None:
@@ -118,6 +116,9 @@ class _Interleave(Callback):
         else:
             self.gc_s[self._current] += time.perf_counter() - self._gc_start
             self.gc_runs[self._current][info["generation"]] += 1
+
+    def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        gc.callbacks.remove(self._gc)
 
     def variant(self, step: int) -> tuple[int, str]:
         """The cycle and the variant of (0-based) ``step``. In interval ``j`` of a cycle (3 intervals of
@@ -184,19 +185,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     fits = []
     for _ in range(args.rounds):
         interleave, start_s = _fit(args)
-        import gc
-
-        gc.callbacks.remove(interleave._gc)
         fits.append((interleave.gaps, interleave.hook_s, interleave.steps_run, start_s, interleave.gc_s, interleave.gc_runs,
                      interleave.hooks["ours"].by_hook))
     if rank == 0:
         queue.put(fits)
-
-
-def _spread(values: list[float]) -> tuple[float, float | None]:
-    """The mean and its standard error (None from one value)."""
-    mean = statistics.mean(values)
-    return mean, statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 def main() -> None:
@@ -241,8 +233,8 @@ def main() -> None:
         raise SystemExit(f"no whole cycle of 3 x {args.log_every} steps after the warm-up: raise --steps")
     step = {v: statistics.mean(times[v]) for v in VARIANTS}
     hooks_per_step = {name: hook_s[name] / max(1, steps_run[name]) for name in hook_s}
-    overhead_mean, overhead_se = _spread([r - 1 for r in ratios["none"]])
-    ratio_mean, ratio_se = _spread(ratios["lightning"])
+    overhead_mean, overhead_se = mean_se([r - 1 for r in ratios["none"]])
+    ratio_mean, ratio_se = mean_se(ratios["lightning"])
     report = {
         **fit_report(args, WORLD),
         "log_every_n_steps": args.log_every,
@@ -254,7 +246,7 @@ def main() -> None:
         "overhead_se": overhead_se,
         "overhead_of_means": step["ours"] / step["none"] - 1,
         "overhead_by_round": [r - 1 for r in by_round["none"]],
-        "overhead_between_rounds_se": _spread([r - 1 for r in by_round["none"]])[1],
+        "overhead_between_rounds_se": mean_se([r - 1 for r in by_round["none"]])[1],
         "ratio_vs_throughput_monitor_by_round": by_round["lightning"],
         "ratio_vs_throughput_monitor": statistics.median(ratios["lightning"]),
         "ratio_vs_throughput_monitor_mean": ratio_mean,

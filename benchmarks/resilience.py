@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
-from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, run_workers
+from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
 
 from lightning_scale.callbacks import GoodputMonitor
 from lightning_scale.data import TextDataModule
@@ -156,6 +156,7 @@ def main() -> None:
         by_pair.append(statistics.mean(pair_disjoint))
     fits = [fit for group in started for fit in group]
     step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
+    overhead_mean, overhead_se = mean_se(disjoint)
     hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with them on
     report = {
         **fit_report(args, WORLD),
@@ -165,11 +166,11 @@ def main() -> None:
         "step_s": step,
         "overhead_fraction": statistics.median(pairs),
         "block_pairs": len(pairs),
-        "overhead_mean": statistics.mean(disjoint),
-        "overhead_se": statistics.stdev(disjoint) / len(disjoint) ** 0.5 if len(disjoint) > 1 else None,
+        "overhead_mean": overhead_mean,
+        "overhead_se": overhead_se,
         "overhead_of_means": step["on"] / step["off"] - 1,
         "overhead_by_processes": by_pair,  # each pair of processes' mean (--processes)
-        "overhead_between_processes_se": statistics.stdev(by_pair) / len(by_pair) ** 0.5 if len(by_pair) > 1 else None,
+        "overhead_between_processes_se": mean_se(by_pair)[1],
         "hook_s_per_step": hook_s,
         "hook_fraction": hook_s / step["off"],
     }
