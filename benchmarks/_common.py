@@ -76,13 +76,14 @@ class HookTime:
     """Seconds spent inside instrumented callback methods: the per-step hooks (``seconds``) and, apart,
     the once-per-fit start (``start_seconds``: FLOP counting, the CPU peak's measurement, host names)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_step: bool = True) -> None:
+        self.per_step = per_step  # False: the start hooks only (a wrapper adds its own cost to every step)
         self.seconds = 0.0
         self.start_seconds = 0.0
         self.by_hook: dict[str, float] = {}  # "Callback.hook" -> per-step seconds, summed over the fit
 
     def instrument(self, callback: Callback) -> Callback:
-        for name in (*STEP_HOOKS, *START_HOOKS):
+        for name in (*(STEP_HOOKS if self.per_step else ()), *START_HOOKS):
             if getattr(type(callback), name) is getattr(Callback, name):
                 continue  # Callback's own no-op: nothing to time, and a wrapper would add its own cost to the step
             method = getattr(callback, name)

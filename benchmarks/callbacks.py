@@ -9,7 +9,8 @@ Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT 
 ``MixedPrecision("32-true")`` and gradient clipping at 1.0 (as the command line runs) in every variant:
 - none: no callbacks (the strategy's own preemption callback and hang watchdog in every variant);
 - ours: every callback of ``conf/callbacks/default.yaml`` but the checkpoint one, as the command line
-  instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers, goodput);
+  instantiates them (console, gradient norm, throughput, memory, cost, step time, stragglers, goodput), in
+  one ``CallbackGroup`` as the command line dispatches them;
 - lightning: Lightning's ``ThroughputMonitor`` alone (with ``batch_size_fn`` and ``length_fn``).
 Every callback of every variant is in the Trainer when the fit starts (so each sets itself up once, as in
 real use: ``start_hooks_s`` reports that apart). From then on the variant changes at every step: before each
@@ -31,10 +32,11 @@ standard deviation over the square root of their number), the precision of the c
 of processes. Every round runs in two processes of their own, since the overhead changes from one process
 start to the next by more than that (0.5 to 2% on the same code, 2026-12-04: cold-cache costs depend on where
 things land in memory): ``overhead_by_round`` and ``ratio_vs_throughput_monitor_by_round`` are each round's
-mean, ``overhead_between_rounds_se`` their standard error, the honest precision of the mean. The per-step
-hooks are also timed directly (summed per step, over the steps their variant ran): ``hook_fraction`` is that
-time over the step of ``none``, and ``hook_ratio_vs_throughput_monitor`` the same comparison against
-ThroughputMonitor's hooks, timed alike. Left in every variant (ours, set up once per fit): StepTimeBreakdown's
+mean, ``overhead_between_rounds_se`` their standard error, the honest precision of the mean. With
+``--time-hooks`` the per-step hooks are also timed directly (summed per step, over the steps their variant
+ran; a wrapper around each, whose own cost then lands in the step times): ``hook_fraction`` is that time over
+the step of ``none``, ``hook_ratio_vs_throughput_monitor`` the same comparison against ThroughputMonitor's
+hooks, timed alike, and ``hook_us_per_step_by_hook`` each hook's share. Left in every variant (ours, set up once per fit): StepTimeBreakdown's
 timing wrapper around ``torch.distributed``'s Python collectives (two calls a step, microseconds) and the
 goodput monitor's thread, which rewrites a small file once a second.
 
@@ -56,6 +58,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 
 from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
 
+from lightning_scale.callbacks.group import CallbackGroup, group_callbacks
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import PRESETS, GPTLightningModule
 from lightning_scale.plugins import MixedPrecision
@@ -76,16 +79,18 @@ def _default_callbacks() -> list[Callback]:
     with initialize_config_module("lightning_scale.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"run_dir={run_dir}"])
     nodes = {name: node for name, node in cfg.callbacks.items() if name != "checkpoint"}
-    return [instantiate(node, _convert_="all") for node in nodes.values()]
+    return group_callbacks([instantiate(node, _convert_="all") for node in nodes.values()])  # as the command line does
 
 
 def _callbacks(variant: str, hooks: HookTime) -> list[Callback]:
     if variant == "ours":
         callbacks = _default_callbacks()
-        for callback in callbacks:
-            if type(callback).__name__ == "CostMonitor":
-                callback.price_per_device_hour = 1.0  # a price, so cost/usd is computed (a CPU has none)
-        return [hooks.instrument(c) for c in callbacks]
+        for group in callbacks:
+            for callback in group.callbacks if isinstance(group, CallbackGroup) else [group]:
+                if type(callback).__name__ == "CostMonitor":
+                    callback.price_per_device_hour = 1.0  # a price, so cost/usd is computed (a CPU has none)
+                hooks.instrument(callback)  # (the group reads its members' hooks when the fit sets it up)
+        return callbacks
     if variant == "lightning":
         return [hooks.instrument(ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel()))]
     return []
@@ -165,7 +170,7 @@ class _Interleave(Callback):
 def _fit(args: argparse.Namespace) -> tuple[_Interleave, dict[str, float]]:
     """One fit of all three variants interleaved; the step times and each variant's start hooks' seconds, on this rank."""
     seed_everything(0, verbose=False)
-    hooks = {name: HookTime() for name in ("ours", "lightning")}
+    hooks = {name: HookTime(per_step=args.time_hooks) for name in ("ours", "lightning")}
     variants = {name: _callbacks(name, hooks.get(name, HookTime())) for name in VARIANTS}
     interleave = _Interleave(variants, hooks, args.log_every, args.warmup, args.steps)
     trainer = Trainer(
@@ -194,7 +199,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
 def main() -> None:
     args = fit_arguments(
         __doc__, "callbacks", rounds=3, steps=1510, steps_help="optimizer steps per fit (cycles of 3 logging intervals, plus warm-up)",
-        extra=lambda p: p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them"),
+        extra=lambda p: (
+            p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them"),
+            p.add_argument("--time-hooks", action="store_true", help="also time every per-step hook (a wrapper each: the overhead then includes them)"),
+        ),
     )  # fmt: skip
     # Each round in two processes of their own: what differs from one process start to the next (the memory
     # layout the caches see) then shows in the spread over rounds, which the cycles of one round cannot show.
@@ -251,14 +259,18 @@ def main() -> None:
         "ratio_vs_throughput_monitor": statistics.median(ratios["lightning"]),
         "ratio_vs_throughput_monitor_mean": ratio_mean,
         "ratio_vs_throughput_monitor_se": ratio_se,
-        "hook_s_per_step": hooks_per_step,
         "start_hooks_s": {name: statistics.median(f[3][name] for f in fits) for name in hook_s},
-        "hook_fraction": hooks_per_step["ours"] / step["none"],
-        "hook_ratio_vs_throughput_monitor": (step["none"] + hooks_per_step["ours"]) / (step["none"] + hooks_per_step["lightning"]),
         "gc_s_per_step": {name: gc_s[name] / max(1, steps_run[name]) for name in VARIANTS},
         "gc_collections": gc_runs,
-        "hook_us_per_step_by_hook": {k: round(v / max(1, steps_run["ours"]) * 1e6, 1) for k, v in sorted(by_hook.items(), key=lambda kv: -kv[1])},
+        "hooks_timed": args.time_hooks,
     }
+    if args.time_hooks:
+        report |= {
+            "hook_s_per_step": hooks_per_step,
+            "hook_fraction": hooks_per_step["ours"] / step["none"],
+            "hook_ratio_vs_throughput_monitor": (step["none"] + hooks_per_step["ours"]) / (step["none"] + hooks_per_step["lightning"]),
+            "hook_us_per_step_by_hook": {k: round(v / max(1, steps_run["ours"]) * 1e6, 1) for k, v in sorted(by_hook.items(), key=lambda kv: -kv[1])},
+        }
     emit("callbacks", report, args.out)
 
 

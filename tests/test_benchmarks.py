@@ -182,14 +182,15 @@ def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(tmp_path
 def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
         "callbacks", "callbacks.py", "--steps", "16", "--warmup", "2", "--log-every", "2", "--rounds", "1",
-        "--threads", "1", "--seq", "16", "--batch", "4", out=tmp_path / "callbacks.json",
+        "--threads", "1", "--seq", "16", "--batch", "4", "--time-hooks", out=tmp_path / "callbacks.json",
     )  # fmt: skip
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
     # 16 steps, cycles of 3 logging intervals of 2: cycle 0 starts in the warm-up, cycle 2 is cut short.
     assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
     assert report["overhead_se"] is None and isinstance(report["overhead_mean"], float)  # one cycle: no spread
     assert len(report["overhead_by_round"]) == 1 and report["overhead_between_rounds_se"] is None  # one round
-    assert 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
+    assert report["hooks_timed"] and 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
+    assert {key.split(".")[0] for key in report["hook_us_per_step_by_hook"]} >= {"Throughput", "StepTimeBreakdown", "GoodputMonitor"}
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
 

@@ -31,6 +31,7 @@ from lightning_scale.callbacks import (
     StragglerMonitor,
     Throughput,
 )
+from lightning_scale.callbacks.group import group_callbacks
 from lightning_scale.core.checkpoint.interval import daly_interval, young_interval
 from lightning_scale.core.telemetry.cost import (
     OFFERS,
@@ -816,13 +817,16 @@ def test_energy_comes_from_nvml_counters_and_is_absent_without_them(monkeypatch:
 # ---------------------------------------------------------------------------- the console
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["apart", "in-a-group"])
 def test_console_lines_show_the_figures_published_at_their_step_whatever_the_callback_order(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], grouped: bool
 ) -> None:
-    # The console listed first, as conf/callbacks/default.yaml lists it: it still prints after Throughput.
+    # The console listed first, as conf/callbacks/default.yaml lists it: it still prints after Throughput, in
+    # the command line's group of them too (the console runs after the group's other members).
     console = ConsoleLogger(every_n_steps=2, metrics=("train/tokens_per_sec",))
     checkpoint = ModelCheckpoint(dirpath=None, save_top_k=0)
-    logged = _fit([console, checkpoint, Throughput(window=1, peak_flops=1e9)], steps=4, log_every_n_steps=2,
+    callbacks: list[Callback] = [console, checkpoint, Throughput(window=1, peak_flops=1e9)]
+    logged = _fit(group_callbacks(callbacks) if grouped else callbacks, steps=4, log_every_n_steps=2,
                   enable_checkpointing=True)  # fmt: skip
     printed = [float(x) for x in re.findall(r"train/tokens_per_sec ([\d.]+)", capsys.readouterr().out)]
     published = [logged.steps[step - 1]["train/tokens_per_sec"] for step in (2, 4)]

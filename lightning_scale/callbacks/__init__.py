@@ -5,6 +5,7 @@ from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.callbacks.cost import CostMonitor
 from lightning_scale.callbacks.goodput import GoodputMonitor
 from lightning_scale.callbacks.grad_norm import GradNormMonitor
+from lightning_scale.callbacks.group import CallbackGroup, each_callback
 from lightning_scale.callbacks.hang_watchdog import HangWatchdog
 from lightning_scale.callbacks.health import NumericalHealth
 from lightning_scale.callbacks.memory import MemoryMonitor
@@ -15,6 +16,7 @@ from lightning_scale.callbacks.throughput import Throughput
 
 __all__ = [
     "STRAGGLER_EXIT_CODE",
+    "CallbackGroup",
     "CheckpointIntervalAdvisor",
     "ConsoleLogger",
     "CostMonitor",
@@ -29,4 +31,5 @@ __all__ = [
     "StragglerMonitor",
     "StragglerRestart",
     "Throughput",
+    "each_callback",
 ]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_scale._lightning_compat import log_metrics, should_accumulate, should_update_logs
+from lightning_scale.callbacks.group import each_callback
 from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
 
 __all__ = ["Duration", "Share", "SharedTelemetry", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "contribute",
@@ -283,8 +284,8 @@ class _Round:
 
 def contribute(trainer: Trainer, callback: SharedTelemetry, share: Share) -> None:
     """At a logging step, ``callback``'s part of the step's telemetry. Once the last :class:`SharedTelemetry`
-    callback in ``trainer.callbacks`` contributed (at once when ``callback`` is not there): one all-reduce of
-    every part's numbers (float64; none when not distributed or there are none), each part's ``finish``, one :func:`publish` of
+    callback in ``trainer.callbacks`` (a ``CallbackGroup``'s members in its place) contributed (at once when
+    ``callback`` is not there): one all-reduce of every part's numbers (float64; none when not distributed or there are none), each part's ``finish``, one :func:`publish` of
     all their metrics, then each ``then``. The callbacks' hooks run in list order on every process, so the
     processes reduce alike; a part still pending at a later step (a callback that did not contribute) is
     reduced first then."""
@@ -296,7 +297,7 @@ def contribute(trainer: Trainer, callback: SharedTelemetry, share: Share) -> Non
         _reduce_round(trainer, round_)
     round_.step = step
     round_.parts.append(share)
-    members = [c for c in trainer.callbacks if isinstance(c, SharedTelemetry)]
+    members = [c for c in each_callback(trainer) if isinstance(c, SharedTelemetry)]
     if callback not in members or members[-1] is callback:
         _reduce_round(trainer, round_)
 

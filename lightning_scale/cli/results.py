@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_scale._lightning_compat import wandb_run_started
+from lightning_scale.callbacks.group import each_callback
 from lightning_scale.cli.job_config import config_fingerprint, layout_of
 from lightning_scale.core.planner import Candidate
 from lightning_scale.strategies.hybrid.planning import prediction_record
@@ -264,7 +265,7 @@ def job_results(
     plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     layout = job.get("layout") or layout_of(plain)
     vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if summary.get(k) is not None]
-    throughput_on = any(type(c).__name__ == "Throughput" for c in trainer.callbacks)
+    throughput_on = any(type(c).__name__ == "Throughput" for c in each_callback(trainer))
     cost = (cfg.get("callbacks") or {}).get("cost") or {}
     planned = prediction_record(trainer, summary, max(peaks) if trainer.strategy.root_device.type == "cuda" else None)
     if planned and planned.get("chosen_by") == "auto":  # the layout the planner chose, as a sweep names layouts

@@ -18,7 +18,8 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig
 
 from lightning_scale._lightning_compat import set_batches_that_stepped
-from lightning_scale.callbacks import ConsoleLogger, GoodputMonitor, PreemptionCheckpoint
+from lightning_scale.callbacks import ConsoleLogger, GoodputMonitor, PreemptionCheckpoint, each_callback
+from lightning_scale.callbacks.group import group_callbacks
 from lightning_scale.cli.environment import global_rank
 from lightning_scale.cli.job_config import instantiate, preflight
 from lightning_scale.cli.results import (
@@ -87,7 +88,8 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRec
     seed_everything(int(cfg.seed), workers=True, verbose=False)
     module = instantiate(cfg.module, model_config)
     record = ValidationRecord()
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    # The config's callbacks dispatched as one (but those Lightning finds by type): the same hooks, less per step.
+    callbacks = group_callbacks([instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None])
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     from lightning.pytorch.loggers import CSVLogger
 
@@ -218,7 +220,7 @@ def _train(
     if final_train_loss is not None:
         summary["final_train_loss"] = float(final_train_loss)
     summary.update(telemetry)  # the telemetry callbacks' last values
-    goodput = next((c.summary for c in trainer.callbacks if isinstance(c, GoodputMonitor) and c.summary), None)
+    goodput = next((c.summary for c in each_callback(trainer) if isinstance(c, GoodputMonitor) and c.summary), None)
     if goodput is not None:  # global rank 0's: where every attempt's time went (per attempt: run_dir/goodput/)
         summary["goodput"] = {k: v for k, v in goodput.as_dict().items() if k != "per_attempt"}
     peaks = peak_memory(trainer)  # a collective: every rank
