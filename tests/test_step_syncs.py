@@ -83,5 +83,6 @@ def test_the_telemetry_callbacks_share_one_all_reduce_at_logging_steps(default_j
         for step in (LOG_EVERY, 2 * LOG_EVERY):
             logging = steps[step]
             assert logging[("c10d.allreduce_", "strategies/hybrid/collectives.py:reduce")] >= 1
-            ours = {site: n for site, n in logging.items() if site[1].startswith("callbacks/")}
+            # (The console, printing at these steps, reads the figures it prints: those published, host numbers.)
+            ours = {site: n for site, n in logging.items() if site[1].startswith("callbacks/") and "console.py" not in site[1]}
             assert ours == {("c10d.allreduce_", "callbacks/_telemetry.py:_all_reduce"): 1}, (step, ours)
