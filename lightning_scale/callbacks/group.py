@@ -147,7 +147,9 @@ for _hook in HOOKS:
 
 
 def _defines(callback: Callback, hook: str) -> bool:
-    return hook in vars(callback) or getattr(type(callback), hook) is not getattr(Callback, hook)
+    """Whether ``callback``'s ``hook`` is its own (not Callback's no-op) and callable (Lightning skips one that is not)."""
+    own = hook in vars(callback) or getattr(type(callback), hook) is not getattr(Callback, hook)
+    return own and callable(getattr(callback, hook, None))
 
 
 def _stateful(callback: Callback) -> bool:
