@@ -93,7 +93,7 @@ class CallbackGroup(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(name=self.name)
+        return f"{type(self).__qualname__}[{self.name}]"
 
     @property
     def needs_model_flops(self) -> bool:
