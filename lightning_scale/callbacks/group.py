@@ -111,10 +111,7 @@ class CallbackGroup(Callback):
         states = {m.state_key: m.state_dict() for m in self.callbacks}
         return {key: state for key, state in states.items() if state}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._load(state_dict)
-
-    def _load(self, states: dict[str, Any]) -> None:
+    def load_state_dict(self, states: dict[str, Any]) -> None:
         by_key = {m.state_key: m for m in self.callbacks}
         for key, state in states.items():
             if key in by_key and state:
@@ -128,7 +125,7 @@ class CallbackGroup(Callback):
             method(trainer, pl_module, checkpoint)
         states = checkpoint.get("callbacks") or {}
         if self.state_key not in states:  # written with the members apart: their states are at the top level
-            self._load({m.state_key: states[m.state_key] for m in self.callbacks if m.state_key in states})
+            self.load_state_dict({m.state_key: states[m.state_key] for m in self.callbacks if m.state_key in states})
 
 
 def _forward(hook: str) -> Any:
