@@ -36,7 +36,8 @@ mean, ``overhead_between_rounds_se`` their standard error, the honest precision 
 ``--time-hooks`` the per-step hooks are also timed directly (summed per step, over the steps their variant
 ran; a wrapper around each, whose own cost then lands in the step times): ``hook_fraction`` is that time over
 the step of ``none``, ``hook_ratio_vs_throughput_monitor`` the same comparison against ThroughputMonitor's
-hooks, timed alike, and ``hook_us_per_step_by_hook`` each hook's share. Left in every variant (ours, set up once per fit): StepTimeBreakdown's
+hooks, timed alike, and ``hook_us_per_step_by_hook`` each hook's share (of ``ours``: the group's hooks, which record
+the step once for the telemetry members and call the console and the gradient-norm monitor). Left in every variant (ours, set up once per fit): StepTimeBreakdown's
 timing wrapper around ``torch.distributed``'s Python collectives (two calls a step, microseconds) and the
 goodput monitor's thread, which rewrites a small file once a second.
 
@@ -89,7 +90,7 @@ def _callbacks(variant: str, hooks: HookTime) -> list[Callback]:
             for callback in group.callbacks if isinstance(group, CallbackGroup) else [group]:
                 if type(callback).__name__ == "CostMonitor":
                     callback.price_per_device_hour = 1.0  # a price, so cost/usd is computed (a CPU has none)
-                hooks.instrument(callback)  # (the group reads its members' hooks when the fit sets it up)
+            hooks.instrument(group)  # the group's hooks: its step records and the members it calls
         return callbacks
     if variant == "lightning":
         return [hooks.instrument(ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel()))]

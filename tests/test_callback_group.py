@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import lightning_scale.callbacks._telemetry as telemetry
+import lightning_scale.callbacks._steps as _steps
 from lightning_scale.callbacks import CallbackGroup, ConsoleLogger, CostMonitor, PreemptionCheckpoint, Throughput, each_callback
 from lightning_scale.callbacks.group import HOOKS, group_callbacks
 from lightning_scale.data import TextDataModule
@@ -88,10 +88,87 @@ def test_members_get_the_hooks_they_would_get_apart_and_lightnings_own_callbacks
     assert "Recorder" in grouped_run[3] and "LearningRateMonitor" in grouped_run[3]
 
 
+class _VirtualTime:
+    """The telemetry's clock, advanced by the model at known points of each step (exact figures)."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedGPT(GPTLightningModule):
+    """0.3 s of forward and backward, 0.1 s of optimizer step, 0.05 s between batches, 7 s per validation batch."""
+
+    def __init__(self, clock: _VirtualTime, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.virtual = clock
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.virtual.now += 0.3
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:  # after the callbacks' hook: the optimizer span
+        self.virtual.now += 0.1
+
+    def on_train_batch_end(self, *args: Any) -> None:  # after the callbacks': the wait for the next batch
+        self.virtual.now += 0.05
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.virtual.now += 7.0  # not training time
+        return super().validation_step(batch, batch_idx)
+
+
+def test_telemetry_members_report_the_same_figures_grouped_as_apart_and_fold_steps_only_at_logging_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a group the members' per-step hooks do not run: the group records each step once and the members fold
+    # the records at logging steps. Every figure must be what each member computes alone (a virtual clock makes
+    # them exact), through gradient accumulation, validation inside the fit and a checkpoint save.
+    from lightning_scale.callbacks import GoodputMonitor, StepTimeBreakdown, StragglerMonitor
+
+    runs, folds = {}, {}
+    for grouped in (False, True):
+        virtual = _VirtualTime()
+        monkeypatch.setattr(_steps, "clock", virtual)
+        members: list[Callback] = [
+            Throughput(window=3, peak_flops=1e12), CostMonitor(price_per_device_hour=3.6), StepTimeBreakdown(),
+            StragglerMonitor(probe=False), GoodputMonitor(dirpath=tmp_path / f"goodput-{grouped}"),
+        ]
+        calls = folds[grouped] = []
+        for member in members:
+            fold = member.fold_steps
+            member.fold_steps = lambda t, m, steps, fold=fold: (calls.append(len(steps)), fold(t, m, steps))[1]  # type: ignore[method-assign]
+        logger = CSVLogger(tmp_path, name=f"grouped-{grouped}")
+        seed_everything(0, verbose=False)
+        trainer = quiet_trainer(
+            max_steps=8, callbacks=[CallbackGroup(members)] if grouped else members, logger=logger, log_every_n_steps=3,
+            accumulate_grad_batches=2, limit_val_batches=1, val_check_interval=6, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(TimedGPT(virtual, CONFIG, learning_rate=1e-2), datamodule=TextDataModule(seq_len=8, global_batch_size=2))
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            rows = [{k: v for k, v in row.items() if v and not k.startswith(("goodput/", "val/"))} for row in csv.DictReader(f)]
+        runs[grouped] = [row for row in rows if len(row) > 2]
+    apart, grouped_rows = runs[False], runs[True]
+    assert grouped_rows == apart
+    logged = {k for row in apart for k in row}
+    assert {"train/tokens_per_sec", "train/mfu", "cost/usd", "train/step_time/data", "train/step_time/optimizer",
+            "stragglers/max_ratio"} <= logged  # fmt: skip
+    # The spans of the virtual clock: 2 batches per optimizer step, validation left out.
+    second = [row for row in apart if "train/step_time/data" in row][1]
+    assert float(second["train/step_time/compute"]) == pytest.approx(2 * 0.3)
+    assert float(second["train/step_time/optimizer"]) == pytest.approx(0.1)
+    assert float(second["train/step_time/data"]) == pytest.approx(2 * 0.05)
+    # Apart, each member folds every batch as it ends; grouped, at the fit's first batch, the logging steps and
+    # validation's start only, every batch once.
+    assert folds[False] == [1] * 5 * 16
+    assert sum(folds[True]) == 5 * 16 and len(folds[True]) <= 5 * 6, folds[True]
+
+
 def test_a_groups_checkpoint_keeps_each_members_state_and_loads_one_written_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(telemetry, "clock", lambda: 0.0)  # cost by steps only: no time passes
+    monkeypatch.setattr(_steps, "clock", lambda: 0.0)  # cost by steps only: no time passes
     # Written apart, resumed in a group: the members' states carry over.
     apart = ModelCheckpoint(dirpath=tmp_path / "apart", every_n_train_steps=2)
     counter = Counter()

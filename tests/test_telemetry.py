@@ -21,8 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import lightning_scale.callbacks._steps as _steps
 import lightning_scale.callbacks._telemetry as telemetry
 from lightning_scale.callbacks import (
+    CallbackGroup,
     ConsoleLogger,
     CheckpointIntervalAdvisor,
     CostMonitor,
@@ -250,7 +252,7 @@ def _cost_on_two(world: int) -> dict[str, float]:
     an energy counter (every rank must still enter the energy all-reduce alike, or the ranks hang)."""
     import lightning_scale.callbacks.cost as cost_module
 
-    real, telemetry.clock = telemetry.clock, FakeClock(900.0)  # this worker, this case only
+    real, _steps.clock = _steps.clock, FakeClock(900.0)  # this worker, this case only
     energy, cost_module._Energy = cost_module._Energy, _EnergyOnRankOne  # type: ignore[misc]
     try:
         seed_everything(0, verbose=False)
@@ -258,7 +260,7 @@ def _cost_on_two(world: int) -> dict[str, float]:
                                 callbacks=[CostMonitor(price_per_device_hour=3.0)])  # fmt: skip
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     finally:
-        telemetry.clock = real
+        _steps.clock = real
         cost_module._Energy = energy  # type: ignore[misc]
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("cost/", "energy/"))}
 
@@ -460,7 +462,7 @@ def test_stragglers_and_advisor_reject_bad_arguments() -> None:
 
 
 def test_throughput_and_mfu_from_a_patched_clock_equal_hand_computed_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(telemetry, "clock", FakeClock(0.25))  # every step takes 0.25 s
+    monkeypatch.setattr(_steps, "clock", FakeClock(0.25))  # every step takes 0.25 s
     logged = _fit([Throughput(window=2, peak_flops=1e9, recomputed_flops_per_token=1000.0)], steps=4)
     last = logged.steps[-1]
     tokens_per_sec = BATCH * SEQ / 0.25
@@ -655,7 +657,7 @@ def test_prices_are_checked() -> None:
 def test_cost_monitor_takes_the_table_price_of_the_device_by_chip_and_memory(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(telemetry, "clock", FakeClock(600.0))  # ten simulated minutes per reading
+    monkeypatch.setattr(_steps, "clock", FakeClock(600.0))  # ten simulated minutes per reading
     monkeypatch.setattr(telemetry, "device_name", lambda trainer: "NVIDIA A100-SXM4-80GB")
     with caplog.at_level("INFO"):
         last = _fit([CostMonitor()], steps=3).steps[-1]
@@ -667,7 +669,7 @@ def test_cost_monitor_takes_the_table_price_of_the_device_by_chip_and_memory(
 def test_cost_is_booked_per_device_hour_and_continues_after_resume(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, sharded: bool
 ) -> None:
-    monkeypatch.setattr(telemetry, "clock", FakeClock(600.0))  # ten simulated minutes per reading
+    monkeypatch.setattr(_steps, "clock", FakeClock(600.0))  # ten simulated minutes per reading
     strategy = (lambda: HybridParallelStrategy()) if sharded else (lambda: "auto")
     save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=False)
     logged = _fit([CostMonitor(price_per_device_hour=6.0, target_loss=100.0), save], steps=3,
@@ -930,7 +932,7 @@ def test_an_mfu_above_one_is_a_measurement_error_never_logged_as_utilisation() -
 
 
 def test_padding_left_out_of_the_token_count_leaves_the_flops_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(telemetry, "clock", FakeClock(0.25))
+    monkeypatch.setattr(_steps, "clock", FakeClock(0.25))
     half = _fit([Throughput(window=2, peak_flops=1e12, token_count=lambda batch: batch[0].numel() // 2)], steps=4)
     whole = _fit([Throughput(window=2, peak_flops=1e12)], steps=4)
     assert half.steps[-1]["train/tokens_per_sec"] == pytest.approx(whole.steps[-1]["train/tokens_per_sec"] / 2)
@@ -1014,18 +1016,19 @@ class _WaitsPerStep(Callback):
         self.waits.append(self.gpu.waits)
 
 
-def test_on_a_gpu_the_spans_are_cuda_event_times_read_only_at_logging_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["apart", "grouped"])
+def test_on_a_gpu_the_spans_are_cuda_event_times_read_only_at_logging_steps(monkeypatch: pytest.MonkeyPatch, grouped: bool) -> None:
     gpu = _GPUClock(tick=0.1)
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
-    monkeypatch.setattr(telemetry, "clock", FakeClock(5.0))  # the host's clock: must not be what is reported
+    monkeypatch.setattr(_steps, "clock", FakeClock(5.0))  # the host's clock: must not be what is reported
 
     class OnGPU(StepTimeBreakdown):
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            super().on_fit_start(trainer, pl_module)
-            self._cuda = True  # a CPU trainer, timed as on a GPU
+        def record_options(self, trainer: Any) -> dict[str, Any]:
+            return super().record_options(trainer) | {"cuda": True}  # a CPU trainer, timed as on a GPU
 
     waits = _WaitsPerStep(gpu)
-    last = _fit([OnGPU(), waits], steps=4, log_every_n_steps=2).steps[-1]
+    timed = OnGPU()
+    last = _fit([CallbackGroup([timed]) if grouped else timed, waits], steps=4, log_every_n_steps=2).steps[-1]
     # Every span is one event apart on the GPU's clock: 0.1 s each, whatever the host's clock said.
     for part in ("data", "compute", "optimizer"):
         assert last[f"train/step_time/{part}"] == pytest.approx(0.1), part

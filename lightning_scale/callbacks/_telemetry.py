@@ -10,37 +10,25 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_scale._lightning_compat import log_metrics, should_accumulate, should_update_logs
-from lightning_scale.callbacks.group import each_callback
-from lightning_scale.core.telemetry.model_facts import ModelFacts, batch_shape
+from lightning_scale._lightning_compat import log_metrics
+from lightning_scale.callbacks import _steps
+from lightning_scale.callbacks._steps import (
+    READS,
+    CallbackSet,
+    Duration,
+    Step,
+    StepRecorder,
+    TrainClock,
+    each_callback,
+    forget_logging_step,
+    should_log,
+    stamp,
+)
+from lightning_scale.core.telemetry.model_facts import ModelFacts
 
-__all__ = ["Duration", "Share", "SharedTelemetry", "TimedCallback", "TrainClock", "batch_tokens", "compute_dtype", "contribute",
-           "device_name", "forget_logging_step", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
+__all__ = ["READS", "CallbackSet", "Duration", "Share", "SharedTelemetry", "Step", "StepRecorder", "TimedCallback", "TrainClock", "compute_dtype", "contribute",
+           "device_name", "each_callback", "forget_logging_step", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
            "should_log"]
-
-clock: Callable[[], float] = time.perf_counter
-"""Every telemetry callback's clock (tests patch it)."""
-
-
-class TrainClock:
-    """Training time: the clock minus the time spent in validation inside ``fit``."""
-
-    def __init__(self) -> None:
-        self._paused_at: float | None = None
-        self._paused = 0.0
-
-    def now(self) -> float:
-        return (self._paused_at if self._paused_at is not None else clock()) - self._paused
-
-    def pause(self) -> None:
-        if self._paused_at is None:
-            self._paused_at = clock()
-
-    def resume(self) -> None:
-        if self._paused_at is not None:
-            self._paused += clock() - self._paused_at
-            self._paused_at = None
-
 
 _LISTENERS = "_lightning_scale_checkpoint_listeners"
 
@@ -56,13 +44,13 @@ def on_checkpoint_saved(trainer: Trainer, listener: Callable[[float], None]) -> 
 
         def timed_save(*args: Any, **kwargs: Any) -> Any:
             global _saving
-            begin = clock()
+            begin = _steps.clock()
             _saving += 1
             try:
                 return save(*args, **kwargs)
             finally:
                 _saving -= 1
-                spent = clock() - begin
+                spent = _steps.clock() - begin
                 for listener_ in list(listeners):
                     listener_(spent)
 
@@ -97,32 +85,6 @@ class TimedCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._run_cleanups()
-
-
-class Duration:
-    """A span's length, read when it is needed: two host-clock readings, or two CUDA events recorded on
-    the current stream (their GPU time apart, read once the later one completed: no synchronisation
-    when they are taken, one when a logging step reads them)."""
-
-    __slots__ = ("end", "start")
-
-    def __init__(self, start: Any, end: Any) -> None:
-        self.start, self.end = start, end
-
-    def seconds(self) -> float:
-        if isinstance(self.start, float):
-            return self.end - self.start
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
-
-
-def stamp(cuda: bool) -> Any:
-    """Now: a CUDA event recorded on the current stream (``cuda``), else :data:`clock`'s reading."""
-    if cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return clock()
 
 
 def _on_cuda(args: tuple[Any, ...]) -> bool:
@@ -224,17 +186,6 @@ def device_name(trainer: Trainer) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def batch_tokens(batch: Any, shape_fn: Callable[[Any], tuple[int, int]] | None) -> tuple[int, int]:
-    """``(samples, tokens per sample)`` of a batch, by ``shape_fn`` when given."""
-    shape = shape_fn(batch) if shape_fn is not None else batch_shape(batch)
-    if shape is None:
-        raise ValueError(
-            f"Cannot tell the samples and tokens of a batch of type {type(batch).__name__}: no tensor found. "
-            "Pass batch_shape=lambda batch: (samples, tokens_per_sample)."
-        )
-    return int(shape[0]), int(shape[1])
-
-
 def _distributed(trainer: Trainer) -> bool:
     return dist.is_available() and dist.is_initialized() and trainer.world_size > 1
 
@@ -270,7 +221,73 @@ class Share(NamedTuple):
 
 class SharedTelemetry(TimedCallback):
     """Base of the callbacks that publish through :func:`contribute` at every logging step (each of them on
-    every process): those of one Trainer share one collective per logging step, whichever of them it holds."""
+    every process): those of one Trainer share one collective per logging step, whichever of them it holds.
+
+    Their per-step work is folding :class:`Step` records into their sums (``fold_steps``), their logging step's
+    work ``logging_step``. Alone, such a callback records its own steps in its per-step hooks; in a
+    :class:`~lightning_scale.callbacks.group.CallbackGroup` the group records each step once for all of them
+    (when they ``share_steps``), has them fold the records at logging steps, and runs nothing of theirs between.
+    """
+
+    sizes = False
+    """Whether it needs each batch's samples and tokens (:meth:`StepRecorder.reset`'s ``sizes``)."""
+    cuda_edges = False
+    """Whether it times spans by CUDA events on a GPU."""
+    reads: tuple[str, ...] = ()
+    """The clock readings of each step it folds (:data:`READS`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._own = StepRecorder()
+        self._shared: StepRecorder | None = None  # a CallbackGroup's
+
+    @property
+    def steps(self) -> StepRecorder:
+        """The recorder of this callback's steps: its group's, or its own."""
+        return self._shared if self._shared is not None else self._own
+
+    def share_steps(self) -> bool:
+        """Whether a group's recorder (the default batch shape, no token count) serves this callback."""
+        return True
+
+    def record_options(self, trainer: Trainer) -> dict[str, Any]:
+        """What a recorder of this callback's steps takes (:meth:`StepRecorder.reset`)."""
+        cuda = self.cuda_edges and trainer.strategy.root_device.type == "cuda"
+        return {"cuda": cuda, "sizes": self.sizes, "reads": self.reads}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self._shared is None:
+            self._own.reset(**self.record_options(trainer))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if self._shared is None:
+            self._own.pause()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._shared is None:
+            self._own.resume()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._own.batch_start(trainer, batch)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._own.optimizer()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = self._own.batch_end(trainer)
+        self.fold_steps(trainer, pl_module, (step,))
+        if step.log:
+            self.logging_step(trainer, pl_module)
+        self._own.finish(step)
+
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[Step]) -> None:
+        """Add the steps (in order, each once) to this callback's sums."""
+
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """At a logging step, after the steps up to it were folded: this callback's part (:func:`contribute`)."""
 
 
 _ROUND = "_lightning_scale_telemetry_round"
@@ -333,28 +350,6 @@ def _reduce_round(trainer: Trainer, round_: _Round) -> None:
     for part in parts:
         if part.then is not None:
             part.then()
-
-
-_LOGGING = "_lightning_scale_logging_batch"
-
-
-def should_log(trainer: Trainer) -> bool:
-    """At Lightning's logging steps (``Trainer(log_every_n_steps=...)``), once the accumulation window closed.
-    Decided once per training batch, for every callback alike (a later callback setting ``should_stop``, which
-    Lightning also logs at, does not split them: each takes part in the logging step's reduction or none does)."""
-    batch = trainer.fit_loop.epoch_loop.batch_progress.total.ready  # counts every batch of the fit, never repeats
-    decided = trainer.__dict__.get(_LOGGING)
-    if decided is not None and decided[0] == batch:
-        return decided[1]
-    logging = should_update_logs(trainer) and not should_accumulate(trainer)
-    trainer.__dict__[_LOGGING] = (batch, logging)
-    return logging
-
-
-def forget_logging_step(trainer: Trainer) -> None:
-    """At a fit's start: a fit resumed from an earlier checkpoint counts its batches from there again, so
-    :func:`should_log`'s decision for a batch of an earlier fit must not stand for one of this fit."""
-    trainer.__dict__.pop(_LOGGING, None)
 
 
 def publish(trainer: Trainer, metrics: Mapping[str, float], prog_bar: Iterable[str] = ()) -> None:

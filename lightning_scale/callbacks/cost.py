@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_scale.callbacks import _steps
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.telemetry.cost import CostMeter, device_offers, price_multiplier
 
@@ -119,7 +120,7 @@ class CostMonitor(telemetry.SharedTelemetry):
         self._energy_collective = readable > 0
         self._tokens = 0.0
         self._world = (trainer.world_size, telemetry.replicas(trainer))
-        self._last_time, self._last_step = telemetry.clock(), trainer.global_step
+        self._last_time, self._last_step = _steps.clock(), trainer.global_step
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -152,7 +153,7 @@ class CostMonitor(telemetry.SharedTelemetry):
     def _advance(self, trainer: Trainer) -> tuple[list[float], Callable[[list[float]], None]]:
         """Take the time and tokens since the last booking (and this process's energy, when every process
         reads it): the numbers to sum over the processes, and what books everything once they are summed."""
-        now = telemetry.clock()
+        now = _steps.clock()
         assert self._last_time is not None and self._world is not None
         seconds, steps = now - self._last_time, trainer.global_step - self._last_step
         if steps > 0:
@@ -185,21 +186,30 @@ class CostMonitor(telemetry.SharedTelemetry):
         if value is not None and float(value) <= self.target_loss:
             self.meter.reach_target(trainer.global_step)
 
-    def _logging_step(self, trainer: Trainer, book: Callable[[list[float]], None], energy: list[float]) -> dict[str, float]:
+    def _finish_logging_step(self, trainer: Trainer, book: Callable[[list[float]], None], energy: list[float]) -> dict[str, float]:
         book(energy)
         self._check_target(trainer)
         return self._metrics(trainer)
 
+    sizes = True
+
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
-        self._tokens += samples * seq_len
-        if telemetry.should_log(trainer):
-            energy, book = self._advance(trainer)
-            telemetry.contribute(trainer, self, telemetry.Share(
-                energy, "sum", lambda summed: self._logging_step(trainer, book, summed), prog_bar=("cost/usd",)))  # fmt: skip
+    def share_steps(self) -> bool:
+        return self.batch_shape is None
+
+    @override
+    def record_options(self, trainer: Trainer) -> dict[str, Any]:
+        return super().record_options(trainer) | {"shape_fn": self.batch_shape}
+
+    @override
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
+        self._tokens += sum(step.samples * step.seq_len for step in steps)
+
+    @override
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        energy, book = self._advance(trainer)
+        telemetry.contribute(trainer, self, telemetry.Share(
+            energy, "sum", lambda summed: self._finish_logging_step(trainer, book, summed), prog_bar=("cost/usd",)))  # fmt: skip
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -220,7 +230,7 @@ class CostMonitor(telemetry.SharedTelemetry):
         # may ask for the state on one rank only. Energy since then is left out.
         meter = CostMeter(**self.meter.state_dict())
         if self._last_time is not None and self._world is not None:
-            meter.advance(telemetry.clock() - self._last_time, self._world[0], self._tokens * self._world[1])
+            meter.advance(_steps.clock() - self._last_time, self._world[0], self._tokens * self._world[1])
         return meter.state_dict()
 
     @override

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -90,17 +91,18 @@ class GoodputMonitor(telemetry.SharedTelemetry):
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, lambda seconds: self._saved(trainer, seconds)))
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._first_pending:
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
+        # A group folds the fit's first batch at its end: the event is written then, with its start's time.
+        if self._first_pending and steps:
             self._first_pending = False
-            self._event("first_step", time=time.time(), step=trainer.global_step)
+            first = steps[0]
+            self._event("first_step", time=first.wall if first.wall is not None else time.time(),
+                        step=first.global_step if first.global_step is not None else trainer.global_step)  # fmt: skip
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if telemetry.should_log(trainer):  # published with the other telemetry (every process takes part)
-            telemetry.contribute(trainer, self, telemetry.Share((), "sum", lambda _: self._metrics()))
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Published with the other telemetry (every process takes part).
+        telemetry.contribute(trainer, self, telemetry.Share((), "sum", lambda _: self._metrics()))
 
     def _metrics(self) -> dict[str, float]:
         summary = summarize(self._ledger.attempts, now=time.time()) if self._progress is not None else None

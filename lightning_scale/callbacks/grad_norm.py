@@ -44,6 +44,12 @@ class GradNormMonitor(Callback):
         if self._delegated:
             plugin.log_grad_norm = True
 
+    @property
+    def idle_hooks(self) -> tuple[str, ...]:
+        """Hooks that do nothing now (a ``CallbackGroup`` does not call them): the per-step one, when the
+        precision plugin logs the norm."""
+        return ("on_before_optimizer_step",) if self._delegated else ()
+
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._delegated:

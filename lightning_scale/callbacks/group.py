@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_scale.callbacks._telemetry import CallbackSet, SharedTelemetry, StepRecorder, each_callback
 from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.plugins.hang_watchdog import HangWatchdog
 from lightning_scale.plugins.preemption import PreemptionCheckpoint
@@ -29,13 +30,23 @@ __all__ = ["CallbackGroup", "each_callback", "group_callbacks"]
 HOOKS = tuple(sorted(name for name in vars(Callback) if name in ("setup", "teardown") or name.startswith("on_")))
 """Every hook Lightning calls on a callback."""
 
+STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+"""The per-step hooks whose work the group's recorder does for its shared members."""
+
+FOLD_BEFORE = frozenset({"on_train_epoch_end", "on_train_end", "on_fit_end", "on_exception", "on_save_checkpoint"})
+"""Hooks after which the shared members may read their sums outside a logging step (besides ``state_dict``,
+validation's start and ``teardown``): the steps recorded so far are folded first."""
+
+_MOST_PENDING = 64
+"""Steps recorded before the members fold them even without a logging step (the records are not kept long)."""
+
 APART = (Checkpoint, EarlyStopping, ProgressBar, ModelSummary, Timer, BatchSizeFinder, LearningRateFinder,
          BasePredictionWriter, GradientAccumulationScheduler, PreemptionCheckpoint, HangWatchdog)  # fmt: skip
 """Callbacks that Lightning or this package find by type in ``trainer.callbacks`` (or call at times of their own):
 they cannot be in a group."""
 
 
-class CallbackGroup(Callback):
+class CallbackGroup(CallbackSet):
     """Callbacks that Lightning dispatches as one: each hook of the group calls the members that define it, in
     order, and no other. Behaves as the members would in ``Trainer(callbacks=[...])``, at less cost per step:
     Lightning calls every hook of every callback it holds (a no-op one included) with bookkeeping of its own,
@@ -83,13 +94,33 @@ class CallbackGroup(Callback):
         # A console prints what the others published at the step: it goes last.
         self.callbacks = [m for m in members if not isinstance(m, ConsoleLogger)] + [m for m in members if isinstance(m, ConsoleLogger)]
         self.name = name
+        self._recorder = StepRecorder()
+        self._context: tuple[Trainer, LightningModule] | None = None
         self._index()
 
-    def _index(self) -> None:
-        """Each hook's members' methods, read now (an instance may have replaced one)."""
-        self._hooks: dict[str, list[Any]] = {
-            hook: [getattr(m, hook) for m in self.callbacks if _defines(m, hook)] for hook in HOOKS
-        }
+    def _index(self, trainer: Trainer | None = None) -> None:
+        """Each hook's members' methods, read now (an instance may have replaced one; a member may have
+        ``idle_hooks``), and the members whose steps the group records (at set-up, with the ``trainer``)."""
+        shared = [m for m in self.callbacks if isinstance(m, SharedTelemetry) and m.share_steps()] if trainer else []
+        for member in self.callbacks:
+            if isinstance(member, SharedTelemetry):
+                member._shared = self._recorder if member in shared else None
+
+        def calls(member: Callback, hook: str) -> bool:
+            if member in shared and hook in STEP_HOOKS:
+                return False
+            return _defines(member, hook) and hook not in getattr(member, "idle_hooks", ())
+
+        self._hooks: dict[str, list[Any]] = {hook: [getattr(m, hook) for m in self.callbacks if calls(m, hook)] for hook in HOOKS}
+        # At a logging step's end, in the members' order: each shared member's logging step, the others' batch end.
+        self._logging_end = [(m.logging_step, True) if m in shared else (m.on_train_batch_end, False)
+                             for m in self.callbacks if m in shared or calls(m, "on_train_batch_end")]  # fmt: skip
+        self._shared = shared
+        self._pending: list[Any] = []
+        if shared and trainer is not None:
+            options = [m.record_options(trainer) for m in shared]
+            self._recorder.reset(cuda=any(o["cuda"] for o in options), sizes=any(o["sizes"] for o in options),
+                                 reads={r for o in options for r in o["reads"]})  # fmt: skip
 
     @property
     def state_key(self) -> str:
@@ -101,13 +132,80 @@ class CallbackGroup(Callback):
         return any(getattr(m, "needs_model_flops", False) for m in self.callbacks)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._index()
+        self._index(trainer)
+        self._context = (trainer, pl_module)
         for member in self.callbacks:  # what Lightning gives every callback it holds
             member.log, member.log_dict = pl_module.log, pl_module.log_dict  # type: ignore[method-assign]
         for method in self._hooks["setup"]:
             method(trainer, pl_module, stage)
 
+    # ------------------------------------------------------------------ the steps
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._shared:
+            self._recorder.batch_start(trainer, batch)
+        for method in self._hooks["on_train_batch_start"]:
+            method(trainer, pl_module, batch, batch_idx)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._shared:
+            self._recorder.optimizer()
+        for method in self._hooks["on_before_optimizer_step"]:
+            method(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._shared:
+            for method in self._hooks["on_train_batch_end"]:
+                method(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        step = self._recorder.batch_end(trainer)
+        pending = self._pending
+        pending.append(step)
+        if step.log:
+            self._fold()
+            for method, shared in self._logging_end:
+                if shared:
+                    method(trainer, pl_module)
+                else:
+                    method(trainer, pl_module, outputs, batch, batch_idx)
+        else:
+            if step.index == 0 or len(pending) >= _MOST_PENDING:  # the fit's first batch: its start is on record
+                self._fold()
+            for method in self._hooks["on_train_batch_end"]:
+                method(trainer, pl_module, outputs, batch, batch_idx)
+        self._recorder.finish(step)
+
+    def _fold(self) -> None:
+        """The steps recorded since the last fold, into every shared member's sums."""
+        steps, self._pending = self._pending, []
+        if steps and self._context is not None:
+            trainer, pl_module = self._context
+            for member in self._shared:
+                member.fold_steps(trainer, pl_module, steps)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fold()
+        if self._shared:
+            self._recorder.pause()
+        for method in self._hooks["on_validation_start"]:
+            method(trainer, pl_module)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._shared:
+            self._recorder.resume()
+        for method in self._hooks["on_validation_end"]:
+            method(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._fold()
+        for method in self._hooks["teardown"]:
+            method(trainer, pl_module, stage)
+        self._context = None
+
+    # ------------------------------------------------------------------ checkpoints
+
     def state_dict(self) -> dict[str, Any]:
+        self._fold()  # the members' state up to the last step (e.g. the cost of the steps since the logging step)
         states = {m.state_key: m.state_dict() for m in self.callbacks}
         return {key: state for key, state in states.items() if state}
 
@@ -130,6 +228,8 @@ class CallbackGroup(Callback):
 
 def _forward(hook: str) -> Any:
     def forward(self: CallbackGroup, *args: Any, **kwargs: Any) -> None:
+        if self._pending and hook in FOLD_BEFORE:  # what the members hold is up to date there
+            self._fold()
         for method in self._hooks[hook]:
             method(*args, **kwargs)
 
@@ -151,15 +251,6 @@ def _defines(callback: Callback, hook: str) -> bool:
 
 def _stateful(callback: Callback) -> bool:
     return type(callback).state_dict is not Callback.state_dict
-
-
-def each_callback(trainer: Trainer) -> Iterator[Callback]:
-    """The Trainer's callbacks, each group's members in its place."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, CallbackGroup):
-            yield from callback.callbacks
-        else:
-            yield callback
 
 
 def group_callbacks(callbacks: Sequence[Callback], name: str = "telemetry") -> list[Callback]:

@@ -50,12 +50,9 @@ class MemoryMonitor(telemetry.SharedTelemetry):
             torch.cuda.reset_peak_memory_stats(self._device)
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if telemetry.should_log(trainer):
-            mine = self.read()
-            telemetry.contribute(trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top))))
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        mine = self.read()
+        telemetry.contribute(trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top))))
 
     def read(self) -> dict[str, float]:
         """This process's figures (see the class doc)."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.pipeline.timing import TimerReader
@@ -51,6 +51,9 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
     (``pipeline/*``) are host times.
     """
 
+    cuda_edges = True
+    reads = ("start", "optimizer", "end")
+
     def __init__(self) -> None:
         super().__init__()
         self._cuda = False
@@ -59,53 +62,66 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
     def _reset(self) -> None:
         self._sums = dict.fromkeys(_PARTS, 0.0)
         self._steps = 0
-        self._spans: list[tuple[str, telemetry.Duration, list[telemetry.Duration]]] = []
+        self._spans: list[tuple[str, telemetry.Duration, Sequence[telemetry.Duration]]] = []
         self._comm: list[telemetry.Duration] = []
-        self._pending: list[telemetry.Duration] = []  # checkpoint and communication inside the open span
-        self._mark: Any = None
-        self._optimizer_at: Any = None
+        self._inside: dict[int, list[telemetry.Duration]] = {}  # checkpoints and collectives by the span they fell in
 
     # ------------------------------------------------------------------ set-up
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._clock = telemetry.TrainClock()
-        self._cuda = trainer.strategy.root_device.type == "cuda"
+        self._cuda = self.steps.cuda  # the recorder's edges are CUDA events (on a GPU)
         self._reset()
         self._pipeline = getattr(trainer.strategy, "pipeline", None)
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, self._saved))
         self._cleanups.append(telemetry.on_collective(self._communicated))
         self._timer = TimerReader(self._pipeline.timer) if self._pipeline is not None else None
 
-    def _now(self) -> Any:
-        """A span edge: a CUDA event on a GPU (the GPU's time, no synchronisation), else the train clock."""
-        return telemetry.stamp(True) if self._cuda else self._clock.now()
+    def _within(self, duration: telemetry.Duration) -> None:
+        """Take ``duration`` out of the span running now (none: validation, or before the first batch)."""
+        steps = self.steps
+        if not steps.paused and steps.phase >= 0:
+            self._inside.setdefault(steps.phase, []).append(duration)
 
     def _saved(self, seconds: float) -> None:
         self._sums["checkpoint"] += seconds
-        self._pending.append(telemetry.Duration(0.0, seconds))
+        self._within(telemetry.Duration(0.0, seconds))
 
     def _communicated(self, duration: telemetry.Duration) -> None:
-        if self._mark is not None:  # within training steps only
+        steps = self.steps
+        if not steps.paused and steps.phase >= 0:  # within training steps only
             self._comm.append(duration)
-            self._pending.append(duration)
+            self._within(duration)
 
     # ------------------------------------------------------------------ spans
 
-    def _close(self, part: str, now: Any) -> None:
-        assert self._mark is not None
-        if self._cuda:
-            self._spans.append((part, telemetry.Duration(self._mark, now), self._pending))
-            self._pending = []
+    @override
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
+        inside = self._inside
+        for step in steps:
+            k = 3 * step.index
+            data = inside.pop(k, ())
+            if not step.seen:  # a batch whose start was not seen
+                inside.pop(k + 1, None), inside.pop(k + 2, None)
+                continue
+            start, optimizer, end = step.span_edges()
+            if step.data is not None:
+                self._span("data", *step.data, data)
+            if optimizer is None:
+                self._span("compute", start, end, inside.pop(k + 1, ()))
+            else:
+                self._span("compute", start, optimizer, inside.pop(k + 1, ()))
+                self._span("optimizer", optimizer, end, inside.pop(k + 2, ()))
+            if not step.accumulate:
+                self._steps += 1
+        if self._comm and not self._cuda:
+            self._settle()
+
+    def _span(self, part: str, start: Any, end: Any, inside: Sequence[telemetry.Duration]) -> None:
+        if self._cuda:  # events: read at the logging step (reading one waits for it)
+            self._spans.append((part, telemetry.Duration(start, end), inside))
         else:  # host clock readings: into the sums now, less what checkpoints and collectives took inside
-            inside, span = self._pending, now - self._mark
-            if inside:
-                span -= sum(d.seconds() for d in inside)
-                self._pending = []
-            self._sums[part] += max(0.0, span)
-            if self._comm:
-                self._settle()
-        self._mark = now
+            self._sums[part] += max(0.0, end - start - sum(d.seconds() for d in inside))
 
     def _settle(self) -> None:
         """Add the closed spans to the sums (on a GPU at logging steps only: reading an event waits for it)."""
@@ -115,38 +131,9 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
         self._spans, self._comm = [], []
 
     @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_validation_start(trainer, pl_module)
-        if self._cuda and self._mark is not None:
-            # Events do not pause: the data span ends here and the next starts with the next batch.
-            self._close("data", self._now())
-            self._mark = None
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        now = self._now()
-        if self._mark is None:
-            self._mark, self._pending = now, []
-        else:
-            self._close("data", now)
-
-    @override
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self._mark is not None:
-            self._close("compute", self._now())
-            self._optimizer_at = self._mark
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._mark is not None:  # (None: a step this callback did not see begin)
-            self._close("optimizer" if self._optimizer_at is not None else "compute", self._now())
-            self._optimizer_at = None
-            if not should_accumulate(trainer):
-                self._steps += 1
-        if telemetry.should_log(trainer):  # every process contributes to the logging step's reduction
-            telemetry.contribute(trainer, self, telemetry.Share(self._take(), "sum", lambda totals: self._metrics(trainer, totals)))
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Every process contributes to the logging step's reduction.
+        telemetry.contribute(trainer, self, telemetry.Share(self._take(), "sum", lambda totals: self._metrics(trainer, totals)))
 
     def _take(self) -> list[float]:
         """This process's sums since the last logging step (and its pipeline stage's times), and a new start."""

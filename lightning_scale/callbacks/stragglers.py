@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +15,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.timing import TimerReader
 from lightning_scale.core.resilience.stragglers import STRAGGLER_EXIT_CODE, SlowStreaks, record_exclusion
@@ -128,7 +128,6 @@ class StragglerMonitor(telemetry.SharedTelemetry):
         self._hosts: list[str] = []
         self._local = 0.0
         self._steps = 0
-        self._mark: float | None = None
         self._timer: TimerReader | None = None
 
     @override
@@ -142,38 +141,36 @@ class StragglerMonitor(telemetry.SharedTelemetry):
             self._hosts = [host]
         pipeline = getattr(trainer.strategy, "pipeline", None)
         self._timer = TimerReader(pipeline.timer) if pipeline is not None else None
-        self._clock, self._local, self._steps, self._mark = telemetry.TrainClock(), 0.0, 0, None
+        self._local, self._steps = 0.0, 0
         self.streaks = SlowStreaks(self.patience)
 
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        now = self._clock.now()
-        if self._mark is not None:
-            self._local += now - self._mark  # waiting for data
-        self._mark = None
+    reads = ("start", "after")
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if should_accumulate(trainer):
-            self._mark = self._clock.now()
-            return
-        self._steps += 1
-        if telemetry.should_log(trainer):
-            local = self._local + (self._timer.take()[1] if self._timer is not None else 0.0)
-            mine = [local / max(1, self._steps), _probe(trainer.strategy.root_device) if self.probe else 0.0]
-            self._local, self._steps = 0.0, 0
-            telemetry.contribute(trainer, self, telemetry.Share(
-                mine, "gather", lambda times: self._judge(trainer, times), then=lambda: self._act(trainer)))  # fmt: skip
-        self._mark = self._clock.now()  # after the logging step's own work
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
+        for step in steps:
+            if step.start is not None and step.wait_from is not None:
+                self._local += step.start - step.wait_from  # waiting for data
+            if not step.accumulate:
+                self._steps += 1
+
+    @override
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        local = self._local + (self._timer.take()[1] if self._timer is not None else 0.0)
+        mine = [local / max(1, self._steps), _probe(trainer.strategy.root_device) if self.probe else 0.0]
+        self._local, self._steps = 0.0, 0
+        telemetry.contribute(trainer, self, telemetry.Share(
+            mine, "gather", lambda times: self._judge(trainer, times), then=lambda: self._act(trainer)))  # fmt: skip
 
     def _act(self, trainer: Trainer) -> None:
-        """After the logging step's metrics: the restart, when due; the local time restarts after the reduction."""
+        """After the logging step's metrics: the restart, when due; the wait for the next batch starts after the
+        reduction."""
         due = self.streaks.update(self._last_ratios) if self.action == "restart" else {}
         if due:
             self._restart(trainer, due)
-        self._mark = self._clock.now()
+        last = self.steps.last
+        if last is not None:
+            self.steps.finish(last)
 
     def _judge(self, trainer: Trainer, gathered: list[list[float]]) -> dict[str, float]:
         """Flag the slow ranks from every rank's ``[local time per step, probe]``."""

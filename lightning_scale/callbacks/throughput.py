@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_scale._lightning_compat import should_accumulate
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.telemetry.flops import model_flops_utilization
@@ -122,7 +121,6 @@ class Throughput(telemetry.SharedTelemetry):
         self._marks.clear()
         self._per_token = {}
         self._totals = [0.0, 0.0, 0.0, 0.0]
-        self._clock = telemetry.TrainClock()
         self._warned_flops = self._warned_recomputed = False
         self._warned_above_peak = False
 
@@ -164,49 +162,51 @@ class Throughput(telemetry.SharedTelemetry):
 
     # ------------------------------------------------------------------ counting
 
-    def _counted(self, batch: Any) -> int:
-        assert self.token_count is not None
-        count = self.token_count(batch)
-        if isinstance(count, torch.Tensor):
-            count = int(count.item())  # one read of the batch's count; give an int to avoid it
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise TypeError(f"token_count returned {count!r}; it must return the batch's tokens as a non-negative int.")
-        return count
+    sizes = True
+    reads = ("end",)
+
+    @override
+    def share_steps(self) -> bool:
+        return self.batch_shape is None and self.token_count is None
+
+    @override
+    def record_options(self, trainer: Trainer) -> dict[str, Any]:
+        return super().record_options(trainer) | {"shape_fn": self.batch_shape, "count_fn": self.token_count}
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._marks.append((self._clock.now(), *self._totals))
+        self._marks.append((self.steps.clock.now(), *self._totals))
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        samples, seq_len = telemetry.batch_tokens(batch, self.batch_shape)
-        tokens = samples * seq_len  # what the model computes on, padding included: its FLOPs
-        totals = self._totals
-        totals[0] += tokens if self.token_count is None else self._counted(batch)
-        totals[1] += samples
-        per_token = self._per_token.get(seq_len)
-        if per_token is None:  # counted once per sequence length: this hook runs every step
-            per_token = self._per_token[seq_len] = self._flops_at(pl_module, batch, seq_len)
-        totals[2] += tokens * per_token[0]
-        totals[3] += tokens * per_token[1]
-        if should_accumulate(trainer):
-            return
-        self._marks.append((self._clock.now(), *totals))  # (time, tokens, samples, flops, recomputed)
-        if telemetry.should_log(trainer):
-            (start, *first), (end, *last) = self._marks[0], self._marks[-1]
-            window = [b - a for a, b in zip(first, last)]
-            seconds, batches = end - start, len(self._marks) - 1
-            telemetry.contribute(trainer, self, telemetry.Share(
-                [*window, *totals[:2]], "sum", lambda reduced: self._metrics(trainer, reduced, seconds, batches),
-                prog_bar=("train/tokens_per_sec", "train/mfu"),
-            ))  # fmt: skip
+    def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
+        totals, marks = self._totals, self._marks
+        for step in steps:
+            seq_len = step.seq_len
+            tokens = step.samples * seq_len  # what the model computes on, padding included: its FLOPs
+            totals[0] += tokens if step.counted is None else step.counted
+            totals[1] += step.samples
+            per_token = self._per_token.get(seq_len)
+            if per_token is None:  # counted once per sequence length, on the first batch of it
+                per_token = self._per_token[seq_len] = self._flops_at(pl_module, step.batch, seq_len)
+            totals[2] += tokens * per_token[0]
+            totals[3] += tokens * per_token[1]
+            if not step.accumulate:
+                marks.append((step.end, *totals))  # (time, tokens, samples, flops, recomputed)
+
+    @override
+    def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (start, *first), (end, *last) = self._marks[0], self._marks[-1]
+        window = [b - a for a, b in zip(first, last)]
+        seconds, batches = end - start, len(self._marks) - 1
+        telemetry.contribute(trainer, self, telemetry.Share(
+            [*window, *self._totals[:2]], "sum", lambda reduced: self._metrics(trainer, reduced, seconds, batches),
+            prog_bar=("train/tokens_per_sec", "train/mfu"),
+        ))  # fmt: skip
 
     def _flops_at(self, pl_module: LightningModule, batch: Any, seq_len: int) -> tuple[float, float]:
         """Model and recomputed FLOPs per token at ``seq_len`` (0.0 where unknown, with a warning)."""
         assert self.facts is not None
-        if self.facts.source == "none" and not self._warned_flops and self._uncut:
+        if self.facts.source == "none" and not self._warned_flops and self._uncut and batch is not None:
             # A strategy that does not cut the model (DDP): count one training step on meta tensors now.
             self.facts.measure(pl_module, batch)
         flops = self.facts.flops_per_token(seq_len, causal=self.causal)
