@@ -11,7 +11,9 @@ Two processes (gloo), ``HybridParallelStrategy(data_parallel=2)``, the tiny GPT 
 gradient clipping at 1.0, no other callback. Within each fit both are switched on and off every ``--block`` steps
 (on: the watchdog's thread runs and the training loop beats its heart, and the goodput monitor records: its
 ledger's events, its progress thread writing every second (it reads the step itself), its
-``goodput/...`` metrics at the logging steps; off: none of it), both ranks alike; the order alternates between
+``goodput/...`` metrics at the logging steps; under the strategy the heartbeat is set by the strategy's own
+per-step methods, and the watchdog's hooks are out of Lightning's dispatch; off: none of it, and neither is in the
+Trainer's callbacks, as when they are not used), both ranks alike; the order alternates between
 rounds. A step's time is the gap between two ``on_train_batch_end``
 calls on rank 0; the first ``--warmup`` steps of a fit and the first step of every block (which pays the
 thread's start or stop, once per fit in real use) are dropped. ``overhead_fraction`` is the median over
@@ -70,6 +72,13 @@ class _Blocks(Callback):
         if not self.on:
             for callback in self.switched:  # started by their own on_train_start: off first
                 callback.on_train_end(trainer, pl_module)
+            self._hold(trainer)
+
+    def _hold(self, trainer: Trainer) -> None:
+        """The Trainer holds the switched callbacks while they are on only: off, Lightning dispatches nothing to them
+        (as without them), on, every hook of theirs it dispatches (first in the list, as the strategy puts its own)."""
+        others = [c for c in trainer.callbacks if c not in self.switched]
+        trainer.callbacks = [*self.switched, *others] if self.on else others
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -88,6 +97,7 @@ class _Blocks(Callback):
             self.on, self._new_block = not self.on, True
             for callback in self.switched:
                 (callback.on_train_start if self.on else callback.on_train_end)(trainer, pl_module)
+            self._hold(trainer)
         self._last = time.perf_counter()
 
 

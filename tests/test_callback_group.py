@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_scale.callbacks._steps as _steps
+from lightning_scale._lightning_hooks import STEP_HOOKS, restore_hooks, skip_hooks
 from lightning_scale.callbacks import CallbackGroup, ConsoleLogger, CostMonitor, PreemptionCheckpoint, Throughput, each_callback
 from lightning_scale.callbacks.group import HOOKS, group_callbacks
 from lightning_scale.data import TextDataModule
@@ -185,6 +186,27 @@ def test_a_groups_checkpoint_keeps_each_members_state_and_loads_one_written_apar
     again = Counter()
     _fit([CallbackGroup([again, CostMonitor(price_per_device_hour=1.0)], name="mine")], steps=5, ckpt_path=save.best_model_path)
     assert again.batches == 4 + 1
+
+
+def test_a_hook_taken_out_of_lightnings_dispatch_is_not_called_until_restored_and_a_group_skips_its_idle_ones() -> None:
+    # lightning_scale._lightning_hooks relies on Lightning calling a callback's hook only when it is callable.
+    counter = Counter()
+    skip_hooks(counter, ["on_train_batch_end"])
+    _fit([counter], steps=2)
+    assert counter.batches == 0
+    restore_hooks(counter)
+    _fit([counter], steps=2)
+    assert counter.batches == 2
+    # A group's per-step hooks that no member has are not dispatched (they come back at its next set-up).
+    class Starts(Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.started = True
+
+    group = CallbackGroup([Counter(), Starts()])
+    _fit([group], steps=2)
+    skipped = {h for h in STEP_HOOKS if vars(group).get(h, 0) is None}
+    assert skipped == {"on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"}
+    assert group.callbacks[0].batches == 2 and group.callbacks[1].started
 
 
 def test_what_lightning_or_the_package_finds_by_type_stays_out_of_a_group() -> None:

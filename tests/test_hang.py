@@ -19,6 +19,7 @@ import torch.distributed as dist
 from helpers.distributed import DistributedTestError, run_distributed
 from helpers.lightning import quiet_trainer
 from helpers.models import StackModule
+from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.core.resilience.hang_report import laggards, summary_text
@@ -212,11 +213,30 @@ def test_rank_one_stalls_in_a_step_both_ranks_write_stacks_the_summary_names_it_
     assert event["records"]["0"]["collectives"]["0"] == event["records"]["1"]["collectives"]["0"] + 1, event["records"]
 
 
+class _Beats(Callback):
+    """At the last step: whether the strategy beats the watchdog's heart and its callback's hooks are out of
+    Lightning's dispatch."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
+        if watchdogs and trainer.global_step == trainer.max_steps:
+            dog = watchdogs[0]
+            self.seen = {
+                "beaten_by_strategy": trainer.strategy._heartbeat is dog.watchdog is not None,
+                "hooks_skipped": [h for h in ("on_train_batch_start", "on_train_batch_end") if vars(dog).get(h, 0) is None],
+                "batches_started": dog.watchdog._started, "steps_timed": dog.watchdog._completed,
+            }  # fmt: skip
+
+
 def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
     found = {}
     for timeout in ({"floor_s": FLOOR_S, "warmup_s": 120}, 0):
         strategy = HybridParallelStrategy(data_parallel=world, hang_timeout=timeout)
-        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=12, default_root_dir=root)
+        beats = _Beats()
+        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=12, default_root_dir=root, callbacks=[beats])
         trainer.fit(StackModule(), train_dataloaders=_data())
         watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
         found[str(timeout)] = {
@@ -224,14 +244,21 @@ def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
             "count": len(watchdogs),
             "running": [t.name for t in threading.enumerate() if t.name == "lightning-scale-hang-watchdog"],
             "step": trainer.global_step,
+            "beats": beats.seen,
+            "restored": not watchdogs or ("on_train_batch_start" not in vars(watchdogs[0]) and trainer.strategy._heartbeat is None),
         }
     return found
 
 
 def test_a_normal_run_never_triggers_it_and_zero_turns_it_off(tmp_path: Path) -> None:
     on, off = run_distributed(_fit_normally, 2, str(tmp_path), timeout=240)[1].values()
-    assert on == {"first": True, "count": 1, "running": [], "step": 12}  # added first, stopped after the fit
-    assert off == {"first": False, "count": 0, "running": [], "step": 12}
+    # Under the strategy its own methods beat the heart (12 batches started; each of the 11 before the last timed by
+    # the next one's start, but the epoch's last, 8 batches an epoch, which the epoch's end paused) and the
+    # callback's per-step hooks are out of Lightning's dispatch; both undone when the fit ends.
+    beats = {"beaten_by_strategy": True, "hooks_skipped": ["on_train_batch_start", "on_train_batch_end"],
+             "batches_started": 12, "steps_timed": 10}  # fmt: skip
+    assert on == {"first": True, "count": 1, "running": [], "step": 12, "beats": beats, "restored": True}  # added first, stopped after
+    assert off == {"first": False, "count": 0, "running": [], "step": 12, "beats": {}, "restored": True}
     assert not (tmp_path / "hang").exists()
 
 

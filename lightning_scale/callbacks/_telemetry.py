@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_scale._lightning_compat import log_metrics
+from lightning_scale._lightning_hooks import restore_hooks, skip_hooks
 from lightning_scale.callbacks import _steps
 from lightning_scale.callbacks._steps import (
     READS,
@@ -257,8 +258,15 @@ class SharedTelemetry(TimedCallback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        restore_hooks(self)
         if self._shared is None:
-            self._own.reset(**self.record_options(trainer))
+            options = self.record_options(trainer)
+            self._own.reset(**options)
+            # Alone, Lightning dispatches every per-step hook to it: the ones it has no use for are taken out.
+            idle = ["on_before_backward", "on_after_backward", "on_before_zero_grad"]
+            if "optimizer" not in options["reads"]:
+                idle.append("on_before_optimizer_step")
+            skip_hooks(self, [h for h in idle if getattr(type(self), h) is getattr(SharedTelemetry, h)])
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_start(trainer, pl_module)
@@ -282,6 +290,8 @@ class SharedTelemetry(TimedCallback):
         if step.log:
             self.logging_step(trainer, pl_module)
         self._own.finish(step)
+        if step.index == 0 and not (self.sizes or "start" in self.reads) and type(self).on_train_batch_start is SharedTelemetry.on_train_batch_start:
+            skip_hooks(self, ["on_train_batch_start"])  # the fit's first start is on record (GoodputMonitor's first step)
 
     def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[Step]) -> None:
         """Add the steps (in order, each once) to this callback's sums."""

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_scale._lightning_hooks import STEP_HOOKS, restore_hooks, skip_hooks
 from lightning_scale.callbacks._telemetry import CallbackSet, SharedTelemetry, StepRecorder, each_callback
 from lightning_scale.callbacks.console import ConsoleLogger
 from lightning_scale.plugins.hang_watchdog import HangWatchdog
@@ -30,7 +31,7 @@ __all__ = ["CallbackGroup", "each_callback", "group_callbacks"]
 HOOKS = tuple(sorted(name for name in vars(Callback) if name in ("setup", "teardown") or name.startswith("on_")))
 """Every hook Lightning calls on a callback."""
 
-STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+RECORDED_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 """The per-step hooks whose work the group's recorder does for its shared members."""
 
 FOLD_BEFORE = frozenset({"on_train_epoch_end", "on_train_end", "on_fit_end", "on_exception", "on_save_checkpoint"})
@@ -107,7 +108,7 @@ class CallbackGroup(CallbackSet):
                 member._shared = self._recorder if member in shared else None
 
         def calls(member: Callback, hook: str) -> bool:
-            if member in shared and hook in STEP_HOOKS:
+            if member in shared and hook in RECORDED_HOOKS:
                 return False
             return _defines(member, hook) and hook not in getattr(member, "idle_hooks", ())
 
@@ -132,7 +133,11 @@ class CallbackGroup(CallbackSet):
         return any(getattr(m, "needs_model_flops", False) for m in self.callbacks)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for callback in (self, *self.callbacks):  # what an earlier fit took out of Lightning's dispatch
+            restore_hooks(callback)
         self._index(trainer)
+        # A per-step hook with nothing to do is not dispatched at all (Lightning would call it at every step).
+        skip_hooks(self, [h for h in STEP_HOOKS if not self._hooks[h] and not (self._shared and h in RECORDED_HOOKS)])
         self._context = (trainer, pl_module)
         for member in self.callbacks:  # what Lightning gives every callback it holds
             member.log, member.log_dict = pl_module.log, pl_module.log_dict  # type: ignore[method-assign]

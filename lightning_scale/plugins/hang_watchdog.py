@@ -13,6 +13,7 @@ strategy (``DDPStrategy``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_scale._lightning_hooks import STEP_HOOKS, restore_hooks, skip_hooks
 from lightning_scale.core.compat_c10d import default_store
 from lightning_scale.core.resilience.watchdog import HANG_EXIT_CODE, StepWatchdog, hang_timeout_policy
 
@@ -34,6 +36,12 @@ class HangWatchdog(Callback):
     running step with its limit. The limit, by default, is the larger of 120 s and 10x the median of the
     last 20 steps, and at least 600 s for the first 3 steps of a fit (compilation, warm-up). Validation,
     checkpoint saves and the time between steps are not timed (the process group's own timeout applies).
+
+    Under ``HybridParallelStrategy`` the strategy's own per-step methods beat the heart instead
+    (:mod:`lightning_scale.strategies.hybrid.heartbeat`) and this callback's per-step hooks are taken out of
+    Lightning's dispatch, which cost more than the beats: a step then runs from its batch's start to the next
+    batch's (the wait for that batch's data included), with checkpoint saves, validation and the ends of epochs
+    still untimed.
 
     Args:
         hang_timeout: ``"auto"`` (the default just described), a number of seconds (that limit for every
@@ -53,6 +61,7 @@ class HangWatchdog(Callback):
         self.dirpath = dirpath
         self.grace_s = grace_s
         self.watchdog: StepWatchdog | None = None
+        self._detach: Callable[[], None] | None = None
 
     @classmethod
     def add_to(cls, trainer: Trainer, hang_timeout: Any) -> None:
@@ -75,8 +84,14 @@ class HangWatchdog(Callback):
             store=default_store() if grouped and trainer.world_size > 1 else None,
             backend=dist.get_backend() if grouped else None,
             grace_s=self.grace_s,
+            global_step=lambda: trainer.global_step,
         )
         self.watchdog.start()
+        attach = getattr(trainer.strategy, "attach_heartbeat", None)
+        if callable(attach):  # the strategy beats the heart in its own per-step methods: no hook of this one runs
+            attach(self.watchdog)
+            skip_hooks(self, STEP_HOOKS)
+            self._detach = lambda: attach(None)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -123,6 +138,10 @@ class HangWatchdog(Callback):
         self._stop()
 
     def _stop(self) -> None:
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
+        restore_hooks(self)
         watchdog, self.watchdog = self.watchdog, None
         if watchdog is not None:
             watchdog.stop()

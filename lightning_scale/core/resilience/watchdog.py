@@ -121,7 +121,7 @@ def hang_timeout_policy(value: Any) -> HangTimeout | None:
 
 class _Beat(NamedTuple):
     batch: int  # the batch's index in this fit (from 0, across epochs)
-    global_step: int
+    global_step: int | None  # None: read when a hang is reported
     phase: str
     step_started: float
     phase_started: float
@@ -142,6 +142,7 @@ class StepWatchdog:
         namespace: the prefix of this watchdog's keys in the store, the same on every rank (default: the
             number of watchdogs this process made before, equal on every rank as they start their fits alike).
         exit: what ends the process (``os._exit``; a test passes a recorder).
+        global_step: reads the training's global step, for a report of a batch started without it.
     """
 
     def __init__(
@@ -157,6 +158,7 @@ class StepWatchdog:
         grace_s: float = 20.0,
         namespace: str | None = None,
         exit: Callable[[int], Any] = os._exit,
+        global_step: Callable[[], int] | None = None,
     ) -> None:
         self.policy, self.rank, self.world_size = policy, rank, world_size
         self.directory = Path(directory)
@@ -164,6 +166,7 @@ class StepWatchdog:
         self.poll_s = poll_s if poll_s is not None else min(2.0, max(0.05, policy.floor_s / 20))
         self.grace_s = grace_s
         self._exit = exit
+        self._global_step = global_step
         self._store = store
         self._prefix = f"lightning_scale/hang/{namespace if namespace is not None else next(_GENERATIONS)}/"
         self._beat: _Beat | None = None
@@ -178,8 +181,13 @@ class StepWatchdog:
 
     # ------------------------------------------------------------------ the heartbeat (the training loop)
 
-    def step_started(self, global_step: int) -> None:
+    def step_started(self, global_step: int | None = None) -> None:
+        """A batch starts. A step still running (no :meth:`step_finished`: beats from a strategy, which has no
+        batch end) ends here. ``global_step``: None reads it from ``global_step`` when a hang is reported."""
         now = time.monotonic()
+        beat = self._beat
+        if beat is not None:
+            self._finished(beat, now)
         self._training_thread = threading.get_ident()
         self._beat = _Beat(self._started, global_step, PHASES[0], now, now)
         self._started += 1
@@ -194,9 +202,12 @@ class StepWatchdog:
         beat, self._beat = self._beat, None
         self._last_end = now = time.monotonic()
         if beat is not None:
-            if self._completed >= self.policy.warmup_steps:
-                self._recent.append(now - beat.step_started)
-            self._completed += 1
+            self._finished(beat, now)
+
+    def _finished(self, beat: _Beat, now: float) -> None:
+        if self._completed >= self.policy.warmup_steps:
+            self._recent.append(now - beat.step_started)
+        self._completed += 1
 
     def pause(self) -> None:
         """Outside the training steps (validation, the end of an epoch): nothing is timed."""
@@ -219,6 +230,12 @@ class StepWatchdog:
         while not self._stop.wait(self.poll_s):
             if self.check():
                 return
+
+    def _read_step(self) -> int | None:
+        try:
+            return int(self._global_step()) if self._global_step is not None else None
+        except Exception:  # noqa: BLE001 - the report goes on without it
+            return None
 
     def limit(self) -> float:
         """Seconds the current step may run."""
@@ -269,7 +286,7 @@ class StepWatchdog:
         return {
             "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
             "batch": beat.batch if beat is not None else self._started - 1,
-            "global_step": beat.global_step if beat is not None else None,
+            "global_step": (beat.global_step if beat.global_step is not None else self._read_step()) if beat is not None else None,
             "phase": beat.phase if beat is not None else PHASES[-1],
             "phase_s": round(now - started, 3),
             "step_s": round(now - beat.step_started, 3) if beat is not None else None,

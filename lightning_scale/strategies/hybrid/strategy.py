@@ -35,6 +35,7 @@ from lightning_scale.plugins import HangWatchdog, MixedPrecision, ShardedCheckpo
 from lightning_scale.plugins._stock import as_mesh_precision
 from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state, unwrapped_optimizer as _unwrapped
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
+from lightning_scale.strategies.hybrid.heartbeat import Heartbeat
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
 from lightning_scale.strategies.hybrid.parallelize import count_model_facts, parallelize
@@ -47,7 +48,7 @@ __all__ = ["HybridParallelStrategy"]
 
 
 @ParallelOptions.spelled_out  # the signature lists every option (inspect, help, the configs' checks)
-class HybridParallelStrategy(ParallelStrategy):
+class HybridParallelStrategy(Heartbeat, ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
     One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (``hsdp`` splits
@@ -87,14 +88,12 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
         self.options = ParallelOptions.from_arguments(sizes, options, owner=type(self).__name__)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1  # Lightning's accelerator connector sets it from Trainer(num_nodes=...)
         self._mesh = LayoutMesh()
         self._model_facts: ModelFacts | None = None
         self._steps = PipelineSteps(self.options.loss_names)
-        self._checkpoints = ShardedCheckpoints()
-        self._deferred = DeferredBuilder()
+        self._checkpoints, self._deferred = ShardedCheckpoints(), DeferredBuilder()
         self.auto_layout = AutoLayout()  # layout="auto": the planner's choice and predicted figures
 
     @property
@@ -290,6 +289,7 @@ class HybridParallelStrategy(ParallelStrategy):
                 return super().backward(closure_loss, *args, **kwargs)
         # The schedule ran the backward in training_step (each micro-batch loss multiplied by the
         # plugin's loss scale); the hooks run here, around the gradients it set aside.
+        self.pre_backward(closure_loss)
         self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self._steps.put_back_grads()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -362,6 +362,7 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its own shards (Lightning's base class writes on rank 0 only)."""
+        self.pause_heartbeat()  # a save is not a training step: the hang watchdog does not time it
         state, mode = self._sharded_state(), self.options.data_parallel_mode
         at = {"layout": self.layout, "data_parallel_mode": mode}
         self._checkpoints.save(self.checkpoint_io, checkpoint, filepath, state, **at, storage_options=storage_options)
