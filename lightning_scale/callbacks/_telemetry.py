@@ -285,13 +285,22 @@ class SharedTelemetry(TimedCallback):
         self._own.optimizer()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.needs_steps():  # the logging-step check alone
+            if should_log(trainer):
+                self.logging_step(trainer, pl_module)
+            own_start = type(self).on_train_batch_start is SharedTelemetry.on_train_batch_start
+            if own_start and vars(self).get("on_train_batch_start", 0) is not None and not (self.sizes or "start" in self.reads):
+                skip_hooks(self, ["on_train_batch_start"])  # nothing to record at a batch's start either
+            return
         step = self._own.batch_end(trainer)
         self.fold_steps(trainer, pl_module, (step,))
         if step.log:
             self.logging_step(trainer, pl_module)
         self._own.finish(step)
-        if step.index == 0 and not (self.sizes or "start" in self.reads) and type(self).on_train_batch_start is SharedTelemetry.on_train_batch_start:
-            skip_hooks(self, ["on_train_batch_start"])  # the fit's first start is on record (GoodputMonitor's first step)
+
+    def needs_steps(self) -> bool:
+        """Whether it folds steps now (False: alone, its only per-step work is the logging-step check)."""
+        return True
 
     def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[Step]) -> None:
         """Add the steps (in order, each once) to this callback's sums."""

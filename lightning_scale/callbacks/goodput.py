@@ -91,6 +91,10 @@ class GoodputMonitor(telemetry.SharedTelemetry):
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, lambda seconds: self._saved(trainer, seconds)))
 
     @override
+    def needs_steps(self) -> bool:
+        return self._first_pending  # the fit's first batch, for its "first_step" event; then nothing
+
+    @override
     def fold_steps(self, trainer: Trainer, pl_module: LightningModule, steps: Sequence[telemetry.Step]) -> None:
         # A group folds the fit's first batch at its end: the event is written then, with its start's time.
         if self._first_pending and steps:

@@ -50,6 +50,10 @@ class MemoryMonitor(telemetry.SharedTelemetry):
             torch.cuda.reset_peak_memory_stats(self._device)
 
     @override
+    def needs_steps(self) -> bool:
+        return False
+
+    @override
     def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         mine = self.read()
         telemetry.contribute(trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top))))

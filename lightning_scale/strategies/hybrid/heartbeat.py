@@ -28,10 +28,12 @@ class Heartbeat:
     """Mixed into a Lightning strategy (before its base class): the beats described in the module's docstring."""
 
     _heartbeat: Any = None  # a StepWatchdog, while one is attached
+    _automatic = True  # the module's automatic optimisation, as the watchdog was attached
 
     def attach_heartbeat(self, watchdog: Any) -> None:
         """From now on the strategy beats ``watchdog``'s heart (``None``: no longer)."""
         self._heartbeat = watchdog
+        self._automatic = getattr(self.lightning_module, "automatic_optimization", True)  # type: ignore[attr-defined]
 
     def pause_heartbeat(self) -> None:
         """Untimed from here to the next batch (a checkpoint save)."""
@@ -63,5 +65,5 @@ class Heartbeat:
         try:
             return super().optimizer_step(optimizer, closure_then_step, model, **kwargs)  # type: ignore[misc]
         finally:
-            if getattr(self.lightning_module, "automatic_optimization", True):  # type: ignore[attr-defined]
-                watchdog.entered("between steps")  # (manual optimisation: the training step goes on)
+            if self._automatic:  # (manual optimisation: the training step goes on)
+                watchdog.entered("between steps")
