@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer

@@ -101,8 +101,9 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
         for step in steps:
             k = 3 * step.index
             data = inside.pop(k, ())
-            if not step.seen:  # a batch whose start was not seen
-                inside.pop(k + 1, None), inside.pop(k + 2, None)
+            if not step.seen:  # a batch whose start was not seen: no span to take anything out of
+                for phase in (k + 1, k + 2):
+                    inside.pop(phase, None)
                 continue
             start, optimizer, end = step.span_edges()
             if step.data is not None:

@@ -7,7 +7,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
