@@ -51,8 +51,15 @@ class CallbackGroup(CallbackSet):
     """Callbacks that Lightning dispatches as one: each hook of the group calls the members that define it, in
     order, and no other. Behaves as the members would in ``Trainer(callbacks=[...])``, at less cost per step:
     Lightning calls every hook of every callback it holds (a no-op one included) with bookkeeping of its own,
-    about a microsecond each; eight callbacks make some fifty such calls a training step, a group of them six.
+    about a microsecond each; eight callbacks make some fifty such calls a training step, a group of them six,
+    fewer still as the group's per-step hooks that no member needs are taken out of the dispatch.
     ``lightning-scale-train`` groups the callbacks of its ``callbacks`` config this way (but the checkpoint one).
+
+    The telemetry members (``Throughput``, ``CostMonitor``, ``StepTimeBreakdown``, ``StragglerMonitor``,
+    ``GoodputMonitor``, ``MemoryMonitor``) get no per-step hook: the group records each step once
+    (:class:`~lightning_scale.callbacks._steps.StepRecorder`) and they fold the records into their sums at
+    logging steps (and before their state is read: validation, checkpoints, the fit's end). They report the
+    same figures as apart. One with its own ``batch_shape`` or ``token_count`` gets its hooks as apart.
 
     Checkpoints keep each member's state under the member's own ``state_key``, inside the group's entry;
     a checkpoint written with the members apart (directly in ``trainer.callbacks``) loads into them too.
