@@ -16,10 +16,19 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_scale.callbacks._steps as _steps
 from lightning_scale._lightning_hooks import STEP_HOOKS, restore_hooks, skip_hooks
-from lightning_scale.callbacks import CallbackGroup, ConsoleLogger, CostMonitor, PreemptionCheckpoint, Throughput, each_callback
+from lightning_scale.callbacks import (
+    CallbackGroup,
+    ConsoleLogger,
+    CostMonitor,
+    GradNormMonitor,
+    PreemptionCheckpoint,
+    Throughput,
+    each_callback,
+)
 from lightning_scale.callbacks.group import HOOKS, group_callbacks
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
+from lightning_scale.plugins import MixedPrecision
 
 CONFIG = GPTConfig(n_layers=1, d_model=16, n_heads=2, block_size=8)
 
@@ -207,6 +216,11 @@ def test_a_hook_taken_out_of_lightnings_dispatch_is_not_called_until_restored_an
     skipped = {h for h in STEP_HOOKS if vars(group).get(h, 0) is None}
     assert skipped == {"on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"}
     assert group.callbacks[0].batches == 2 and group.callbacks[1].started
+    # A member that takes a hook out at its own set-up is not called there by the group either: GradNormMonitor,
+    # when the precision plugin logs the norm, has nothing to do per step.
+    group = CallbackGroup([GradNormMonitor(), Counter()])
+    _fit([group], steps=2, plugins=[MixedPrecision("32-true")])
+    assert vars(group.callbacks[0])["on_before_optimizer_step"] is None and vars(group)["on_before_optimizer_step"] is None
 
 
 def test_what_lightning_or_the_package_finds_by_type_stays_out_of_a_group() -> None:

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_scale._lightning_hooks import restore_hooks, skip_hooks
 from lightning_scale.core.precision.grad_norm import total_grad_norm
 from lightning_scale.plugins.precision import MixedPrecision
 
@@ -39,16 +40,12 @@ class GradNormMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        restore_hooks(self)
         plugin = trainer.precision_plugin
         self._delegated = isinstance(plugin, MixedPrecision) and plugin.norm_type == self.norm_type
         if self._delegated:
             plugin.log_grad_norm = True
-
-    @property
-    def idle_hooks(self) -> tuple[str, ...]:
-        """Hooks that do nothing now (a ``CallbackGroup`` does not call them): the per-step one, when the
-        precision plugin logs the norm."""
-        return ("on_before_optimizer_step",) if self._delegated else ()
+            skip_hooks(self, ["on_before_optimizer_step"])  # nothing to do per step: not dispatched (nor by a group)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:

@@ -107,8 +107,8 @@ class CallbackGroup(CallbackSet):
         self._index()
 
     def _index(self, trainer: Trainer | None = None) -> None:
-        """Each hook's members' methods, read now (an instance may have replaced one; a member may have
-        ``idle_hooks``), and the members whose steps the group records (at set-up, with the ``trainer``)."""
+        """Each hook's members' methods, read now (an instance may have replaced one, or taken one out of the
+        dispatch), and the members whose steps the group records (at set-up, with the ``trainer``)."""
         shared = [m for m in self.callbacks if isinstance(m, SharedTelemetry) and m.share_steps()] if trainer else []
         for member in self.callbacks:
             if isinstance(member, SharedTelemetry):
@@ -117,7 +117,7 @@ class CallbackGroup(CallbackSet):
         def calls(member: Callback, hook: str) -> bool:
             if member in shared and hook in RECORDED_HOOKS:
                 return False
-            return _defines(member, hook) and hook not in getattr(member, "idle_hooks", ())
+            return _defines(member, hook)
 
         self._hooks: dict[str, list[Any]] = {hook: [getattr(m, hook) for m in self.callbacks if calls(m, hook)] for hook in HOOKS}
         # At a logging step's end, in the members' order: each shared member's logging step, the others' batch end.
@@ -143,13 +143,15 @@ class CallbackGroup(CallbackSet):
         for callback in (self, *self.callbacks):  # what an earlier fit took out of Lightning's dispatch
             restore_hooks(callback)
         self._index(trainer)
-        # A per-step hook with nothing to do is not dispatched at all (Lightning would call it at every step).
-        skip_hooks(self, [h for h in STEP_HOOKS if not self._hooks[h] and not (self._shared and h in RECORDED_HOOKS)])
         self._context = (trainer, pl_module)
         for member in self.callbacks:  # what Lightning gives every callback it holds
             member.log, member.log_dict = pl_module.log, pl_module.log_dict  # type: ignore[method-assign]
         for method in self._hooks["setup"]:
             method(trainer, pl_module, stage)
+        # Again: a member's set-up may take a hook out of the dispatch (GradNormMonitor's, when the precision
+        # plugin logs the norm). A per-step hook with nothing to do is not dispatched at all.
+        self._index(trainer)
+        skip_hooks(self, [h for h in STEP_HOOKS if not self._hooks[h] and not (self._shared and h in RECORDED_HOOKS)])
 
     # ------------------------------------------------------------------ the steps
 

@@ -77,21 +77,21 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
         self._cleanups.append(telemetry.on_collective(self._communicated))
         self._timer = TimerReader(self._pipeline.timer) if self._pipeline is not None else None
 
-    def _within(self, duration: telemetry.Duration) -> None:
-        """Take ``duration`` out of the span running now (none: validation, or before the first batch)."""
+    def _within(self, duration: telemetry.Duration) -> bool:
+        """Take ``duration`` out of the span running now; False when none runs (validation, before the first batch)."""
         steps = self.steps
-        if not steps.paused and steps.phase >= 0:
-            self._inside.setdefault(steps.phase, []).append(duration)
+        if steps.paused or steps.phase < 0:
+            return False
+        self._inside.setdefault(steps.phase, []).append(duration)
+        return True
 
     def _saved(self, seconds: float) -> None:
         self._sums["checkpoint"] += seconds
         self._within(telemetry.Duration(0.0, seconds))
 
     def _communicated(self, duration: telemetry.Duration) -> None:
-        steps = self.steps
-        if not steps.paused and steps.phase >= 0:  # within training steps only
+        if self._within(duration):  # within training steps only
             self._comm.append(duration)
-            self._within(duration)
 
     # ------------------------------------------------------------------ spans
 

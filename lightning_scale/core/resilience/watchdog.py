@@ -186,10 +186,8 @@ class StepWatchdog:
         batch end) ends here. ``global_step``: None reads it from ``global_step`` when a hang is reported."""
         now = time.monotonic()
         beat = self._beat
-        if beat is not None:  # (inline: this runs at every step)
-            if self._completed >= self.policy.warmup_steps:
-                self._recent.append(now - beat.step_started)
-            self._completed += 1
+        if beat is not None:
+            self._finished(beat, now)
         self._training_thread = threading.get_ident()
         self._beat = _Beat(self._started, global_step, PHASES[0], now, now)
         self._started += 1
