@@ -36,6 +36,7 @@ Prints ``BENCH resilience {json}`` last and writes benchmarks/results/resilience
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -101,12 +102,14 @@ class _Blocks(Callback):
         self._last = time.perf_counter()
 
 
-def _fit(args: argparse.Namespace, on_first: bool) -> tuple[list[tuple[bool, list[float]]], float, int]:
-    """The fit's blocks (on?, step times), the hooks' seconds and the number of steps run with them on, on this rank."""
+def _fit(args: argparse.Namespace, on_first: bool, run_dir: str) -> tuple[list[tuple[bool, list[float]]], float, int]:
+    """The fit's blocks (on?, step times), the hooks' seconds and the number of steps run with them on, on this rank.
+    ``run_dir``: the goodput monitor's, a fresh one per fit (each "on" block is an attempt of its ledger: one
+    directory for every fit would grow it to hundreds of attempts, which no real run has)."""
     seed_everything(0, verbose=False)
     hooks = HookTime()
     watchdog = hooks.instrument(HangWatchdog("auto"))
-    goodput = hooks.instrument(GoodputMonitor(dirpath=args.goodput_dir))
+    goodput = hooks.instrument(GoodputMonitor(dirpath=run_dir))
     switched = {"both": [watchdog, goodput], "watchdog": [watchdog], "goodput": [goodput], "none": []}[args.switch]
     blocks = _Blocks(switched, hooks, args.block, args.warmup, on_first)
     trainer = Trainer(
@@ -122,7 +125,7 @@ def _fit(args: argparse.Namespace, on_first: bool) -> tuple[list[tuple[bool, lis
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     join_process_group(rank, world, port)
     torch.set_num_threads(args.threads)
-    fits = [_fit(args, on_first=r % 2 == 0) for r in range(args.rounds)]
+    fits = [_fit(args, r % 2 == 0, os.path.join(args.goodput_dir, f"{os.getpid()}-{r}")) for r in range(args.rounds)]
     if rank == 0:
         queue.put(fits)
 

@@ -788,3 +788,37 @@ def test_the_upper_bound_is_the_release_the_canaries_were_written_against(packag
     )
     installed = importlib.import_module(package).__version__
     assert installed.split(".")[:2] == version.split(".")[:2], f"{package} {installed} is installed, the canaries are for {version}"
+
+
+def test_should_update_logs_answers_as_lightnings_property_at_every_hook_of_a_fit() -> None:
+    """The shim answers inside a training batch without the property's loop look-up: at each training hook
+    of a fit with accumulation, validation inside the epoch, a stop requested mid-fit and no logging at all,
+    it must say what ``_logger_connector.should_update_logs`` says."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Compare(Callback):
+        def __init__(self, stop_at: int | None) -> None:
+            self.stop_at, self.seen = stop_at, set()
+
+        def _check(self, trainer: Trainer, *_: Any) -> None:
+            expected = trainer._logger_connector.should_update_logs
+            assert lc.should_update_logs(trainer) == expected, (trainer.global_step, trainer.state.stage)
+            self.seen.add(expected)
+
+        on_train_batch_start = on_before_optimizer_step = on_validation_batch_end = _check
+
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            self._check(trainer)
+            if trainer.fit_loop.epoch_loop.batch_progress.total.ready == self.stop_at:
+                trainer.should_stop = True  # Lightning logs at the step a stop is requested at
+                self._check(trainer)
+
+    for every, stop_at, seen in ((3, 13, {True, False}), (0, None, {False})):
+        compare = Compare(stop_at)
+        trainer = Trainer(accelerator="cpu", max_steps=12, accumulate_grad_batches=2, log_every_n_steps=every,
+                          limit_train_batches=9, limit_val_batches=2, val_check_interval=4, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[compare])  # fmt: skip
+        trainer.fit(BoringModel())
+        assert compare.seen == seen

@@ -241,6 +241,7 @@ class SharedTelemetry(TimedCallback):
         super().__init__()
         self._own = StepRecorder()
         self._shared: StepRecorder | None = None  # a CallbackGroup's
+        self._start_idle = False  # alone, and its batch start's hook still dispatched though it would do nothing
 
     @property
     def steps(self) -> StepRecorder:
@@ -267,6 +268,9 @@ class SharedTelemetry(TimedCallback):
             if "optimizer" not in options["reads"]:
                 idle.append("on_before_optimizer_step")
             skip_hooks(self, [h for h in idle if getattr(type(self), h) is getattr(SharedTelemetry, h)])
+        # Once it needs no records, its batch start does nothing (unless a subclass has its own).
+        own_start = type(self).on_train_batch_start is SharedTelemetry.on_train_batch_start
+        self._start_idle = self._shared is None and own_start and not (self.sizes or "start" in self.reads)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_validation_start(trainer, pl_module)
@@ -288,8 +292,8 @@ class SharedTelemetry(TimedCallback):
         if not self.needs_steps():  # the logging-step check alone
             if should_log(trainer):
                 self.logging_step(trainer, pl_module)
-            own_start = type(self).on_train_batch_start is SharedTelemetry.on_train_batch_start
-            if own_start and vars(self).get("on_train_batch_start", 0) is not None and not (self.sizes or "start" in self.reads):
+            if self._start_idle:
+                self._start_idle = False
                 skip_hooks(self, ["on_train_batch_start"])  # nothing to record at a batch's start either
             return
         step = self._own.batch_end(trainer)

@@ -122,9 +122,7 @@ def hang_timeout_policy(value: Any) -> HangTimeout | None:
 class _Beat(NamedTuple):
     batch: int  # the batch's index in this fit (from 0, across epochs)
     global_step: int | None  # None: read when a hang is reported
-    phase: str
     step_started: float
-    phase_started: float
 
 
 class StepWatchdog:
@@ -170,6 +168,8 @@ class StepWatchdog:
         self._store = store
         self._prefix = f"lightning_scale/hang/{namespace if namespace is not None else next(_GENERATIONS)}/"
         self._beat: _Beat | None = None
+        # (the beat it belongs to, the phase, when it was entered): a plain tuple, the cheapest atomic store
+        self._phase: tuple[_Beat | None, str, float] = (None, PHASES[0], 0.0)
         self._last_end = time.monotonic()
         self._started = self._completed = 0  # batches started and finished in this fit
         self._recent: deque[float] = deque(maxlen=policy.window)
@@ -189,14 +189,12 @@ class StepWatchdog:
         if beat is not None:
             self._finished(beat, now)
         self._training_thread = threading.get_ident()
-        self._beat = _Beat(self._started, global_step, PHASES[0], now, now)
+        self._beat = _Beat(self._started, global_step, now)
         self._started += 1
 
     def entered(self, phase: str) -> None:
         """``phase``: one of :data:`~lightning_scale.core.resilience.hang_report.PHASES` within the step."""
-        beat = self._beat
-        if beat is not None:
-            self._beat = _Beat(beat.batch, beat.global_step, phase, beat.step_started, time.monotonic())
+        self._phase = (self._beat, phase, time.monotonic())
 
     def step_finished(self) -> None:
         beat, self._beat = self._beat, None
@@ -282,12 +280,16 @@ class StepWatchdog:
 
     def _record(self, now: float) -> dict[str, Any]:
         beat = self._beat
-        started = beat.phase_started if beat is not None else self._last_end
+        owner, phase, started = self._phase
+        if beat is None:  # between two steps
+            phase, started = PHASES[-1], self._last_end
+        elif owner is not beat:  # no phase entered in this step yet
+            phase, started = PHASES[0], beat.step_started
         return {
             "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
             "batch": beat.batch if beat is not None else self._started - 1,
             "global_step": (beat.global_step if beat.global_step is not None else self._read_step()) if beat is not None else None,
-            "phase": beat.phase if beat is not None else PHASES[-1],
+            "phase": phase,
             "phase_s": round(now - started, 3),
             "step_s": round(now - beat.step_started, 3) if beat is not None else None,
             "limit_s": round(self.limit(), 3), "where": innermost_frame(self._training_thread),
