@@ -24,7 +24,10 @@ pairs' standard deviation over the square root of their number: the precision of
 the default 3 rounds on a 2-core machine, 0.44% at 12 and 0.25% at 40),
 ``overhead_of_means`` compares all the on steps with all the off ones, and
 ``hook_fraction`` is the hooks' own time in the timed "on" steps (the watchdog's and the monitor's, timed
-directly) over the off step. ``--switch watchdog`` or ``goodput`` switches one of the two (the other stays out of
+directly) over the off step. ``thread_cpu_added_s`` is what the "on" steps add to the training thread's own CPU
+time (``time.thread_time``; mean over disjoint pairs, ``thread_cpu_added_se`` its standard error): the work that
+runs on it, apart from the waits it causes on the other rank. Each fit gives the monitor a run directory of its own
+(every "on" block is an attempt in its ledger). ``--switch watchdog`` or ``goodput`` switches one of the two (the other stays out of
 the fit); ``--switch none`` switches nothing, so its figures are the design's own bias and noise.
 ``--processes N`` splits the rounds over N pairs of processes, each started afresh: ``overhead_by_processes``
 holds each pair's mean and ``overhead_between_processes_se`` their standard error. Runs of the same code have
@@ -63,9 +66,11 @@ class _Blocks(Callback):
     def __init__(self, switched: list[Callback], hooks: HookTime, block: int, warmup: int, on_first: bool) -> None:
         self.switched, self.hooks, self.block, self.warmup, self.on = switched, hooks, block, warmup, on_first
         self.blocks: list[tuple[bool, list[float]]] = []
+        self.cpu: list[list[float]] = []  # each block's steps' CPU seconds on this thread (the training loop's)
         self.hook_s_on = 0.0  # the hooks' seconds in the steps run with them on
         self.steps_on = 0
         self._last: float | None = None
+        self._last_cpu = 0.0
         self._steps = 0
         self._new_block = True
 
@@ -82,13 +87,15 @@ class _Blocks(Callback):
         trainer.callbacks = [*self.switched, *others] if self.on else others
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         first_of_block = self._steps % self.block == 0  # it may pay for the switch before it
         if self._last is not None and self._steps >= self.warmup and not first_of_block:
             if self._new_block:
                 self.blocks.append((self.on, []))
+                self.cpu.append([])
                 self._new_block = False
             self.blocks[-1][1].append(now - self._last)
+            self.cpu[-1].append(cpu - self._last_cpu)
             if self.on:  # the hooks' time in the steps timed (a block's first pays the monitor's "first_step" event)
                 self.hook_s_on += self.hooks.seconds
                 self.steps_on += 1
@@ -99,11 +106,12 @@ class _Blocks(Callback):
             for callback in self.switched:
                 (callback.on_train_start if self.on else callback.on_train_end)(trainer, pl_module)
             self._hold(trainer)
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.thread_time()
 
 
-def _fit(args: argparse.Namespace, on_first: bool, run_dir: str) -> tuple[list[tuple[bool, list[float]]], float, int]:
-    """The fit's blocks (on?, step times), the hooks' seconds and the number of steps run with them on, on this rank.
+def _fit(args: argparse.Namespace, on_first: bool, run_dir: str) -> tuple[Any, ...]:
+    """The fit's blocks (on?, step times), the hooks' seconds and the number of steps run with them on, and the
+    blocks' steps' CPU seconds on the training thread, on this rank.
     ``run_dir``: the goodput monitor's, a fresh one per fit (each "on" block is an attempt of its ledger: one
     directory for every fit would grow it to hundreds of attempts, which no real run has)."""
     seed_everything(0, verbose=False)
@@ -119,7 +127,7 @@ def _fit(args: argparse.Namespace, on_first: bool, run_dir: str) -> tuple[list[t
     )  # fmt: skip
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
-    return blocks.blocks, blocks.hook_s_on, blocks.steps_on
+    return blocks.blocks, blocks.hook_s_on, blocks.steps_on, blocks.cpu
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -157,12 +165,16 @@ def main() -> None:
         shares = [args.rounds // args.processes + (i < args.rounds % args.processes) for i in range(args.processes)]
         started = [run_workers(_worker, WORLD, argparse.Namespace(**(vars(args) | {"rounds": n}))) for n in shares]
     pairs, disjoint, times, by_pair = [], [], {True: [], False: []}, []
+    cpu_added, cpu = [], {True: [], False: []}  # the training thread's CPU seconds a step, on minus off
     for fits in started:
         pair_disjoint = []
-        for blocks, _, _ in fits:
+        for blocks, _, _, cpu_blocks in fits:
             means = [(on, statistics.mean(t)) for on, t in blocks if t]
-            for on, t in blocks:
+            for (on, t), c in zip(blocks, cpu_blocks):
                 times[on] += t
+                cpu[on] += c
+            cpu_means = [(on, statistics.mean(c)) for (on, _), c in zip(blocks, cpu_blocks) if c]
+            cpu_added += [(a[1] - b[1]) * (1 if a[0] else -1) for a, b in zip(cpu_means[::2], cpu_means[1::2]) if a[0] != b[0]]
             pairs += _overheads(zip(means, means[1:]))
             pair_disjoint += _overheads(zip(means[::2], means[1::2]))
         disjoint += pair_disjoint
@@ -170,7 +182,8 @@ def main() -> None:
     fits = [fit for group in started for fit in group]
     step = {"off": statistics.mean(times[False]), "on": statistics.mean(times[True])}
     overhead_mean, overhead_se = mean_se(disjoint)
-    hook_s = sum(h for _, h, _ in fits) / max(1, sum(n for _, _, n in fits))  # per step with them on
+    hook_s = sum(fit[1] for fit in fits) / max(1, sum(fit[2] for fit in fits))  # per step with them on
+    cpu_added_mean, cpu_added_se = mean_se(cpu_added)
     report = {
         **fit_report(args, WORLD),
         "block": args.block,
@@ -186,6 +199,9 @@ def main() -> None:
         "overhead_between_processes_se": mean_se(by_pair)[1],
         "hook_s_per_step": hook_s,
         "hook_fraction": hook_s / step["off"],
+        "thread_cpu_s": {"off": statistics.mean(cpu[False]), "on": statistics.mean(cpu[True])},
+        "thread_cpu_added_s": cpu_added_mean,  # the training thread's CPU a step, on minus off (disjoint pairs)
+        "thread_cpu_added_se": cpu_added_se,
     }
     emit("resilience", report, args.out)
 

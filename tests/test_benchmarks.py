@@ -208,6 +208,9 @@ def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> N
     assert isinstance(report["overhead_mean"], float) and isinstance(report["overhead_se"], float)  # 2 disjoint pairs a fit
     assert 0 < report["hook_s_per_step"] < report["step_s"]["off"]  # the heartbeats were timed, and are a part of a step
     assert report["switch"] == "both"  # the "on" steps ran the watchdog and recorded the goodput ledger
+    cpu = report["thread_cpu_s"]  # the training thread's own CPU a step: a part of the step, on and off
+    assert set(cpu) == {"off", "on"} and all(0 < cpu[k] <= report["step_s"][k] * 1.05 for k in cpu)
+    assert isinstance(report["thread_cpu_added_s"], float) and isinstance(report["thread_cpu_added_se"], float)
 
 
 @pytest.mark.slow
