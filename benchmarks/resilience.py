@@ -3,7 +3,8 @@
 run, on two processes.
 
     python benchmarks/resilience.py                      # tiny GPT, 400 steps a fit, blocks of 10, 3 rounds
-    python benchmarks/resilience.py --rounds 40          # SE about 0.25%: what resolves the 0.5% target (11 min)
+    python benchmarks/resilience.py --rounds 40          # SE about 0.25% (11 min)
+    python benchmarks/resilience.py --rounds 80 --processes 16   # the recorded runs: SE about 0.19% (22 min)
     python benchmarks/resilience.py --switch none        # the control: on and off blocks alike
     python benchmarks/resilience.py --steps 60 --rounds 1
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lightning.pytorch.trainer.states import RunningStage
+
 from lightning_scale.core.compat import Shim, private_api
 
 __all__ = [
@@ -113,30 +115,14 @@ def restore_training_state(trainer: Any, checkpoint: Mapping[str, Any]) -> None:
 
 def should_update_logs(trainer: Any, missing: bool | None = None) -> bool:
     """Whether this step is one the loggers write at (``Trainer(log_every_n_steps=...)``): the private
-    ``_logger_connector.should_update_logs``, which Lightning's own ``LearningRateMonitor`` reads too.
-    ``missing``: the answer for a trainer without one (Fabric's stand-in); None: raise. No public
-    alternative."""
+    ``_logger_connector.should_update_logs``, which Lightning's own ``LearningRateMonitor`` reads too (in a
+    training batch its answer, without its loop and enum look-ups: ``tests/test_compat.py`` compares the two).
+    ``missing``: the answer for a trainer without one (Fabric's stand-in); None: raise. No public alternative."""
     if missing is None:
-        if trainer.state.stage is _running_stage("TRAINING") and trainer.log_every_n_steps:
-            # The property's answer inside a training batch, without its loop and enum look-ups (a dozen Python
-            # calls, on every step of every callback that asks): ``tests/test_compat.py`` checks they agree.
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
-            return step % trainer.log_every_n_steps == 0 or bool(trainer.should_stop)
+        if trainer.state.stage is RunningStage.TRAINING and (every := trainer.log_every_n_steps):
+            return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0 or bool(trainer.should_stop)
         return bool(trainer._logger_connector.should_update_logs)
     return bool(getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", missing))
-
-
-_STAGES: dict[str, Any] = {}
-
-
-def _running_stage(name: str) -> Any:
-    """``lightning.pytorch.trainer.states.RunningStage.<name>`` (public), imported once."""
-    stage = _STAGES.get(name)
-    if stage is None:
-        from lightning.pytorch.trainer.states import RunningStage
-
-        stage = _STAGES[name] = RunningStage[name]
-    return stage
 
 
 def log_metrics(trainer: Any, metrics: dict[str, Any], step: int) -> None:
