@@ -22,7 +22,7 @@ from helpers.models import StackModule
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_scale.core.resilience.hang_report import laggards, summary_text
+from lightning_scale.core.resilience.hang_report import PHASES, laggards, summary_text
 from lightning_scale.core.resilience.watchdog import HangTimeout, StepWatchdog, hang_timeout_policy
 from lightning_scale.plugins import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE, HangWatchdog
 from lightning_scale.strategies import HybridParallelStrategy
@@ -100,6 +100,16 @@ def test_the_laggards_are_the_ranks_behind_the_others_or_without_a_record() -> N
 
 def _stall_here(event: threading.Event) -> None:
     event.wait(30)  # the "training loop" of the single-process tests, stuck in its step
+
+
+def test_a_hang_reports_the_phase_of_its_own_step_not_one_entered_in_the_step_before(tmp_path: Path) -> None:
+    exits: list[int] = []
+    watchdog = StepWatchdog(HangTimeout(floor_s=1, warmup_s=1), rank=0, world_size=1, directory=tmp_path, exit=exits.append)
+    watchdog.step_started(global_step=0)
+    watchdog.entered("backward")
+    watchdog.step_started(global_step=1)  # batch 1 stalls before its backward
+    assert watchdog.check(now=time.monotonic() + 100) and exits == [HANG_EXIT_CODE]
+    assert watchdog.record is not None and (watchdog.record["batch"], watchdog.record["phase"]) == (1, PHASES[0])
 
 
 def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_exits(tmp_path: Path) -> None:
