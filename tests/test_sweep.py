@@ -165,9 +165,12 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
 
 # One process per job: the kill test of issue 12 covers resuming every rank of a multi-process run.
 TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,20", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
-# The sweep the `resumed` fixture kills: job 1 sleeps 0.2 s a step after its first checkpoint (step 5), so
-# the kill lands well before it could commit its last (step 20) however late a loaded machine runs the test.
-KILLED_JOBS = [*TWO_JOBS, "+callbacks.slow._target_=helpers.lightning.SlowSteps", "+callbacks.slow.after_step=5"]
+# The sweep the `resumed` fixture kills: job 1's first attempt sleeps 30 s a step after its first checkpoint
+# (step 5; the hang watchdog's floor is 120 s), so the kill lands before it could commit another however late
+# a loaded machine runs the test (CI once saw 0.2 s a step outrun: it resumed from step 20). The re-run,
+# a resumed fit, does not sleep.
+SLOW = {"_target_": "helpers.lightning.SlowSteps", "after_step": 5, "seconds": 30}
+KILLED_JOBS = [*TWO_JOBS, *(f"+callbacks.slow.{key}={value}" for key, value in SLOW.items())]
 
 
 def _committed(job_dir: Path) -> list[Path]:
@@ -230,7 +233,7 @@ def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> 
     study = resumed["study"]
     r1 = json.loads((study / "1" / "results.json").read_text())
     resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())["global_step"]  # a sharded checkpoint
-    assert 0 < resumed_at < 20
+    assert resumed_at == SLOW["after_step"]  # the first attempt held at the step after its first checkpoint
     # The curves go on from the first attempt (log_every_n_steps=5, val_check_interval=5); the validation
     # before the resumed fit is at the step it resumed from, never at 0.
     assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 21, 5))

@@ -33,14 +33,19 @@ def fit_error(trainer: Trainer, module: Any, **fit_kwargs: Any) -> str:
 
 
 class SlowSteps(Callback):
-    """Sleeps ``seconds`` after every training step past ``after_step``: a run a test kills mid-way
-    (after a checkpoint at ``after_step``) cannot reach its last step before the kill lands, however
-    late a loaded machine schedules the test. Added to a CLI run with
-    ``+callbacks.slow._target_=helpers.lightning.SlowSteps`` (``tests/`` on ``PYTHONPATH``)."""
+    """Sleeps ``seconds`` after every training step past ``after_step``, in a fit that started at step 0
+    only (a resumed fit runs at full speed): a run a test kills mid-way (after a checkpoint at
+    ``after_step``) cannot reach its last step before the kill lands, however late a loaded machine
+    schedules the test. Added to a CLI run with ``+callbacks.slow._target_=helpers.lightning.SlowSteps``
+    (``tests/`` on ``PYTHONPATH``)."""
 
     def __init__(self, after_step: int = 5, seconds: float = 0.2) -> None:
         self.after_step, self.seconds = after_step, seconds
+        self.active = True
+
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        self.active = trainer.global_step == 0  # after a checkpoint's restore: not a resumed fit
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step > self.after_step:
+        if self.active and trainer.global_step > self.after_step:
             time.sleep(self.seconds)
