@@ -7,8 +7,7 @@ shim's docstring names the API, why it is needed and the public alternative, if 
 against :data:`WRITTEN_AGAINST`; ``tests/test_compat.py`` holds one canary per entry of :data:`SHIMS`,
 and they justify the upper bound on ``lightning`` in ``pyproject.toml``.
 
-Private modules and names are imported when a shim is called, so an upgrade that drops one breaks only
-what uses it, with a :class:`~lightning_scale.core.compat.PrivateAPIMissing` naming the shim.
+Private names are imported when a shim is called: an upgrade that drops one breaks only what uses it.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ __all__ = [
     "WRITTEN_AGAINST",
     "after_closure",
     "attached_trainer",
+    "batches_that_stepped",
     "before_batch_transfer",
     "checkpoint_connector",
     "cluster_environment",
@@ -39,7 +39,6 @@ __all__ = [
     "migrate_checkpoint",
     "restore_sigterm_broadcast",
     "restore_training_state",
-    "set_batches_that_stepped",
     "set_device_mesh",
     "set_initial_hparam",
     "should_accumulate",
@@ -74,12 +73,10 @@ _RESUME_RESOLVER = "_lightning_scale_resolves_ckpt_path"
 
 def wrap_resume_start(trainer: Any, resolve: Callable[[Any], Any]) -> None:
     """Make the checkpoint connector's ``resume_start(checkpoint_path, weights_only)`` resume from
-    ``resolve(checkpoint_path)`` (once per ``Trainer``; later calls do nothing).
-
-    A run-time patch of ``_CheckpointConnector.resume_start``: Lightning passes ``ckpt_path`` to it only,
-    so that is where ``"latest"`` (and ``None`` after a restart) become a path. Public alternative: none
-    (``Strategy`` sees the path only once it is resolved).
-    """
+    ``resolve(checkpoint_path)`` (once per ``Trainer``; later calls do nothing). A run-time patch of
+    ``_CheckpointConnector.resume_start``: Lightning passes ``ckpt_path`` to it only, so that is where
+    ``"latest"`` (and ``None`` after a restart) become a path. Public alternative: none (``Strategy`` sees
+    the path only once it is resolved)."""
     connector = checkpoint_connector(trainer)
     if getattr(connector, _RESUME_RESOLVER, False):
         return
@@ -142,10 +139,14 @@ def should_accumulate(trainer: Any) -> bool:
     return trainer.accumulate_grad_batches != 1 and bool(trainer.fit_loop.epoch_loop._should_accumulate())
 
 
-def set_batches_that_stepped(trainer: Any, count: int) -> None:
-    """Set the step Lightning logs at (the training epoch loop's private ``_batches_that_stepped``; the fit
-    restores it from a checkpoint). No public alternative (``global_step`` is read-only)."""
-    trainer.fit_loop.epoch_loop._batches_that_stepped = count
+def batches_that_stepped(trainer: Any, count: int | None = None) -> int:
+    """The step Lightning logs at, first set to ``count`` if given (the training epoch loop's private
+    ``_batches_that_stepped``; a fit restores it from its checkpoint). No public alternative (``global_step``
+    is read-only, stays 0 in ``trainer.validate`` and counts optimizer steps under manual optimisation)."""
+    loop = trainer.fit_loop.epoch_loop
+    if count is not None:
+        loop._batches_that_stepped = count
+    return loop._batches_that_stepped
 
 
 _LR_GUARD = "_lightning_scale_lr_guard"
@@ -182,12 +183,9 @@ def _no_broadcast() -> None:
 
 def idle_sigterm_broadcast(loop: Any) -> bool:
     """Make the training epoch loop's per-batch broadcast of Lightning's SIGTERM flag do nothing (until
-    :func:`restore_sigterm_broadcast`); False if this Lightning has none.
-
-    A run-time patch of the private ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (a collective and a
-    host sync before every batch), for when another handler owns SIGTERM and the flag cannot be set. No
-    public alternative.
-    """
+    :func:`restore_sigterm_broadcast`); False if this Lightning has none. A run-time patch of the private
+    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (a collective and a host sync before every batch), for
+    when another handler owns SIGTERM and the flag cannot be set. No public alternative."""
     if not callable(getattr(type(loop), _SIGTERM_BROADCAST, None)):
         return False
     setattr(loop, _SIGTERM_BROADCAST, _no_broadcast)
@@ -346,7 +344,7 @@ SHIMS: dict[str, Shim] = {
     ),
     "should_accumulate": _shim((f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._should_accumulate",), ("should_accumulate",)),
     "batches_that_stepped": _shim(
-        (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop()._batches_that_stepped",), ("set_batches_that_stepped",)
+        (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop()._batches_that_stepped",), ("batches_that_stepped",)
     ),
     "update_learning_rates": _shim(
         (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._update_learning_rates",), ("wrap_update_learning_rates",)

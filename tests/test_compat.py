@@ -534,9 +534,10 @@ def canary_batches_that_stepped() -> None:
     assert loop._batches_that_stepped == 0
     assert "_batches_that_stepped" in loop.on_save_checkpoint(), "a checkpoint no longer restores it"
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop))
-    lc.set_batches_that_stepped(trainer, 3)
-    assert loop._batches_that_stepped == 3
-    lc.set_batches_that_stepped(trainer, 0)
+    assert lc.batches_that_stepped(trainer, 3) == 3 == loop._batches_that_stepped
+    loop._batches_that_stepped = 4
+    assert lc.batches_that_stepped(trainer) == 4
+    lc.batches_that_stepped(trainer, 0)
 
 
 def canary_update_learning_rates() -> None:

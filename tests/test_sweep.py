@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.lightning import SlowSteps
 from helpers.wandb_files import offline_runs
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -165,10 +166,10 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
 
 # One process per job: the kill test of issue 12 covers resuming every rank of a multi-process run.
 TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,20", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
-# The sweep the `resumed` fixture kills: job 1's first attempt sleeps 30 s a step after its first checkpoint
-# (step 5; the hang watchdog's floor is 120 s), so the kill lands before it could commit another however late
-# a loaded machine runs the test (CI once saw 0.2 s a step outrun: it resumed from step 20). The re-run,
-# a resumed fit, does not sleep.
+# The sweep the `resumed` fixture kills: in its first run (SlowSteps.ENV set) job 1 sleeps 30 s a step after
+# its first checkpoint (step 5; the hang watchdog's floor is 120 s), so the kill lands before it could commit
+# another however late a loaded machine runs the test (CI once saw 0.2 s a step outrun: it resumed from step
+# 20). Every other run of this command (the re-run, submitit's) goes at full speed.
 SLOW = {"_target_": "helpers.lightning.SlowSteps", "after_step": 5, "seconds": 30}
 KILLED_JOBS = [*TWO_JOBS, *(f"+callbacks.slow.{key}={value}" for key, value in SLOW.items())]
 
@@ -184,7 +185,8 @@ def resumed(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dict[
     cwd = tmp_path_factory.mktemp("resumed")
     command = [_executable("lightning-scale-train"), "-m", *KILLED_JOBS]
     with open(cwd / "first.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=cwd, env=_env(data_cache), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = _env(data_cache) | {SlowSteps.ENV: "1"}
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         try:
             while time.monotonic() < deadline and proc.poll() is None:
@@ -234,6 +236,9 @@ def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> 
     r1 = json.loads((study / "1" / "results.json").read_text())
     resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())["global_step"]  # a sharded checkpoint
     assert resumed_at == SLOW["after_step"]  # the first attempt held at the step after its first checkpoint
+    # The console says so too: the resumed weights' validation is at their step, not at 0 (once per attempt).
+    log = (study / "1" / "job.log").read_text()
+    assert log.count("validation at step 0 |") == 1 and f"validation at step {resumed_at} |" in log, log[-3000:]
     # The curves go on from the first attempt (log_every_n_steps=5, val_check_interval=5); the validation
     # before the resumed fit is at the step it resumed from, never at 0.
     assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 21, 5))

@@ -8,8 +8,11 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
+
+from lightning_scale._lightning_compat import batches_that_stepped
 
 __all__ = ["CONSOLE_LOG", "ConsoleLogger"]
 
@@ -96,4 +99,7 @@ class ConsoleLogger(Callback):
             return
         values = [self._fmt(k, v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")]
         if values:
-            self.emit(f"validation at step {trainer.global_step} | " + " | ".join(values))
+            # Outside a fit (trainer.validate), the step the loggers got: global_step is 0 there, even for
+            # the weights a resumed run validates before its fit.
+            step = trainer.global_step if trainer.state.fn == TrainerFn.FITTING else batches_that_stepped(trainer)
+            self.emit(f"validation at step {step} | " + " | ".join(values))

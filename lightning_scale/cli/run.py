@@ -17,7 +17,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from omegaconf import DictConfig
 
-from lightning_scale._lightning_compat import set_batches_that_stepped
+from lightning_scale._lightning_compat import batches_that_stepped
 from lightning_scale.callbacks import ConsoleLogger, GoodputMonitor, PreemptionCheckpoint, each_callback
 from lightning_scale.callbacks.group import group_callbacks
 from lightning_scale.cli.environment import global_rank
@@ -193,10 +193,10 @@ def _train(
         # step it resumes from, so the curves and the loggers' steps go on from there rather than from 0.
         if resume_step is not None:
             record.resume_step = resume_step
-            set_batches_that_stepped(trainer, resume_step)  # the step Lightning logs evaluation at
+            batches_that_stepped(trainer, resume_step)  # the step Lightning logs evaluation at
         metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
         record.resume_step = None
-        set_batches_that_stepped(trainer, 0)  # the fit restores it from the checkpoint
+        batches_that_stepped(trainer, 0)  # the fit restores it from the checkpoint
         if resume_step is None:
             record.initial_val_loss = float(metrics[0]["val/loss"])
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

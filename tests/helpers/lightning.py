@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -33,19 +34,17 @@ def fit_error(trainer: Trainer, module: Any, **fit_kwargs: Any) -> str:
 
 
 class SlowSteps(Callback):
-    """Sleeps ``seconds`` after every training step past ``after_step``, in a fit that started at step 0
-    only (a resumed fit runs at full speed): a run a test kills mid-way (after a checkpoint at
+    """Sleeps ``seconds`` after every training step past ``after_step`` while the environment variable
+    :attr:`ENV` is set (in the process that trains): a run a test kills mid-way (after a checkpoint at
     ``after_step``) cannot reach its last step before the kill lands, however late a loaded machine
-    schedules the test. Added to a CLI run with ``+callbacks.slow._target_=helpers.lightning.SlowSteps``
-    (``tests/`` on ``PYTHONPATH``)."""
+    schedules the test, while other runs of the same command (the same sweep) go at full speed. Added to
+    a CLI run with ``+callbacks.slow._target_=helpers.lightning.SlowSteps`` (``tests/`` on ``PYTHONPATH``)."""
+
+    ENV = "LIGHTNING_SCALE_TEST_SLOW_STEPS"
 
     def __init__(self, after_step: int = 5, seconds: float = 0.2) -> None:
         self.after_step, self.seconds = after_step, seconds
-        self.active = True
-
-    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
-        self.active = trainer.global_step == 0  # after a checkpoint's restore: not a resumed fit
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if self.active and trainer.global_step > self.after_step:
+        if trainer.global_step > self.after_step and os.environ.get(self.ENV):
             time.sleep(self.seconds)
