@@ -4,7 +4,13 @@ finished run: "terminate called without an active exception", status 134)."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers.distributed import run_distributed
@@ -33,3 +39,30 @@ def test_ending_the_process_groups_joins_their_threads_that_destroy_alone_leaves
         # The mechanism behind the exit abort: the meshes (alive in DTensor specs) keep the groups.
         assert threads["after_destroy"], "destroy_process_group alone now joins the threads: end_process_groups may shrink"
         assert threads["left"] == [] and threads["now"] == []
+
+
+_EXIT_SCRIPT = """
+import atexit, json, sys
+import torch, torch.distributed as dist
+from lightning_scale.core.parallel.process_groups import communication_threads, end_at_exit
+atexit.register(lambda: print("EXIT-THREADS", json.dumps(communication_threads()), flush=True))  # runs last
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+end_at_exit()
+end_at_exit()  # once per process
+dist.all_reduce(torch.ones(4))
+if sys.argv[1] == "raise":
+    raise RuntimeError("the run failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["normal", "raise"])
+def test_a_process_that_never_destroys_its_groups_has_them_ended_at_exit_unless_it_raised(ending: str, tmp_path: Path) -> None:
+    # A user's script under HybridParallelStrategy (its init_world calls end_at_exit) seldom destroys the
+    # groups; after an uncaught exception they are left alone (a peer may still be in a collective with it).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", _EXIT_SCRIPT, ending, str(tmp_path / "store")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    threads = json.loads(proc.stdout.split("EXIT-THREADS", 1)[1])
+    assert proc.returncode == (0 if ending == "normal" else 1), proc.stderr[-3000:]
+    assert (threads == []) if ending == "normal" else any(t.startswith("pt_gloo_runloop") for t in threads), threads
+    assert proc.stderr.count("Traceback") == (ending == "raise"), proc.stderr[-3000:]  # one handler, no failure

@@ -44,6 +44,16 @@ def _env(cache: Path) -> dict[str, str]:
     return env
 
 
+def _check_mfu(r: dict[str, Any]) -> None:
+    """A job's MFU is its achieved FLOP/s over the CPU peak measured for the study, or absent when a loaded
+    machine measured that peak below what the model then ran at (not utilisation: never logged above 1)."""
+    achieved, peak = r["metrics"]["train/achieved_tflops_per_device"] * 1e12, r["metrics"]["train/peak_flops_measured"]
+    if r["mfu"] is None:
+        assert achieved > peak, r
+    else:
+        assert 0 < r["mfu"] == pytest.approx(achieved / peak, rel=0.05), r
+
+
 def _sweep(cwd: Path, cache: Path, *args: str, timeout: float = 400, **popen: Any) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
     command = [_executable("lightning-scale-train"), "-m", *args]
@@ -100,7 +110,8 @@ def test_each_job_starts_its_processes_once_in_its_own_directory(four_jobs: dict
         assert log.count("lightning-scale-train: ") == 1, log[-2000:]  # the job trained once, on 2 processes
         assert r["world_size"] == 2 and r["global_step"] == 10 and r["job"] == int(name)
         assert r["precision"] == "32-true" and r["global_batch_size"] == 16
-        assert r["tokens_per_sec"] > 0 and r["mfu"] > 0 and len(r["peak_memory_bytes_per_rank"]) == 2
+        assert r["tokens_per_sec"] > 0 and len(r["peak_memory_bytes_per_rank"]) == 2
+        _check_mfu(r)
         assert r["peak_memory_bytes"] == max(r["peak_memory_bytes_per_rank"]) > 10 * 2**20
         assert r["best_val_loss"] <= r["final_val_loss"] < 5.5  # byte-level loss starts at ln 256
         assert r["curves"]["val/loss"] and r["curves"]["train/loss"]
@@ -549,11 +560,7 @@ def test_every_logger_records_throughput_mfu_and_why_when_missing(loggers_study:
     for r in done.values():
         assert r["tokens_per_sec"] > 0 and r["throughput"] == "logged", r
         assert r["metrics"]["train/tokens_per_sec"] == r["tokens_per_sec"]
-        achieved, peak = r["metrics"]["train/achieved_tflops_per_device"] * 1e12, r["metrics"]["train/peak_flops_measured"]
-        if r["mfu"] is None:  # a loaded machine measured the CPU peak below what the model then ran at: not utilisation
-            assert achieved > peak, r
-        else:
-            assert r["mfu"] == pytest.approx(achieved / peak, rel=0.05), r
+        _check_mfu(r)
 
 
 @pytest.mark.slow

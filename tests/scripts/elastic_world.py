@@ -1,7 +1,9 @@
 """A run for an elastic torchrun launch (``--nnodes=MIN:MAX``): fp64 tiny GPT, a global batch of 8 in micro-batches
 of 2 per rank (accumulation 1 at world 4, 2 at world 2), a checkpoint every 2 steps, auto-resume on every
 (re)start. Rank 0 appends one JSON line per start and per optimizer step (world size, accumulation, wall time)
-to ``OUT/events.jsonl`` and saves the final parameters to ``OUT/final.pt``. Used by ``tests/test_elastic.py``.
+to ``OUT/events.jsonl`` and saves the final parameters to ``OUT/final.pt``. Every rank that exits normally writes
+the process-group threads still running after every other exit handler to ``OUT/exit-threads-<rank>.json``: none
+(the strategy ends the groups at exit, which a script like this one never does itself). Used by ``tests/test_elastic.py``.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=job --max-restarts=3 tests/scripts/elastic_world.py OUT STEPS [PACE_S]
@@ -9,6 +11,7 @@ to ``OUT/events.jsonl`` and saves the final parameters to ``OUT/final.pt``. Used
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -21,6 +24,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_scale.callbacks import GoodputMonitor
+from lightning_scale.core.parallel.process_groups import communication_threads
 from lightning_scale.core.resilience import launched_sizes
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
@@ -55,7 +59,12 @@ class Events(Callback):
             time.sleep(self.pace_s)
 
 
+def _record_exit_threads(out: Path) -> None:
+    (out / f"exit-threads-{os.environ['RANK']}.json").write_text(json.dumps(communication_threads()))
+
+
 def main(out: Path, steps: int, pace_s: float) -> None:
+    atexit.register(_record_exit_threads, out)  # registered first: it runs after every later handler
     seed_everything(0, verbose=False)
     sizes = launched_sizes() or {"num_nodes": 1, "devices": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
     trainer = Trainer(

@@ -7,19 +7,22 @@ groups of its dimensions in ``_pg_registry``, and meshes live on in DTensor spec
 caches until the interpreter exits. A worker still releasing a collective's tensors then takes the
 GIL of an interpreter that is finalising; Python ends that thread with a forced unwind through a
 ``noexcept`` frame and the process aborts ("terminate called without an active exception",
-status 134) after a run that succeeded.
+status 134) after a run that succeeded, and torchrun counts a failed rank (pytorch #190489). A strategy that
+sets up a mesh therefore calls :func:`end_at_exit`.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import sys
 
 import torch.distributed as dist
 
 from lightning_scale.core.compat import mesh_group_registry
 
-__all__ = ["COMMUNICATION_THREADS", "communication_threads", "end_process_groups"]
+__all__ = ["COMMUNICATION_THREADS", "communication_threads", "end_at_exit", "end_process_groups"]
 
 COMMUNICATION_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl_watchdg", "pt_nccl_heartbt")
 """Name prefixes (Linux thread names, 15 characters at most) of the C++ threads a process group runs."""
@@ -65,3 +68,26 @@ def end_process_groups(*, barrier: bool) -> list[str]:
                     registry.clear()
         gc.collect()
     return communication_threads()
+
+
+_AT_EXIT: list[bool] = []
+
+
+def end_at_exit() -> None:
+    """Have :func:`end_process_groups` (no barrier) run when this process exits, while the interpreter
+    is still alive (``atexit``; once per process). For a user's own script, which seldom destroys the
+    groups, and never the ones a mesh holds. Not after an uncaught exception: a peer may still be in a
+    collective with this rank, and ending a group may wait for its work (torchtitan #1342 skips it too);
+    nor after ``os._exit`` (the hang watchdog's exit), which runs no handler."""
+    if not _AT_EXIT:
+        atexit.register(_end_at_exit)
+        _AT_EXIT.append(True)
+
+
+def _end_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:  # set when the interpreter printed an uncaught exception
+        return
+    try:
+        end_process_groups(barrier=False)
+    except Exception as err:  # noqa: BLE001 - the run is over: say why, and leave the exit status alone
+        print(f"lightning-scale: ending the process groups at exit failed: {err!r}", file=sys.stderr, flush=True)

@@ -13,18 +13,21 @@ from lightning.fabric.utilities.distributed import group as _group
 from torch import Tensor
 
 from lightning_scale._lightning_compat import init_dist_connection
+from lightning_scale.core.parallel.process_groups import end_at_exit
 
 __all__ = ["barrier", "broadcast", "default_backend", "elastic_attempt_store", "init_world", "reduce"]
 
 
 def init_world(environment: ClusterEnvironment, backend: str, world_size: int, timeout: Any) -> None:
     """The world's process group, as Lightning's strategies make it (under torchrun's restarts, on a
-    store of this attempt's own: :func:`elastic_attempt_store`)."""
+    store of this attempt's own: :func:`elastic_attempt_store`), ended when the process exits
+    (:func:`~lightning_scale.core.parallel.process_groups.end_at_exit`)."""
     kwargs: dict[str, Any] = {"timeout": timeout}
     store = elastic_attempt_store(world_size, timeout)
     if store is not None:
         kwargs["store"] = store
     init_dist_connection(environment, backend, **kwargs)
+    end_at_exit()  # whoever made the group: the meshes this strategy builds hold groups of their own
 
 
 def default_backend(device: torch.device) -> str:
