@@ -63,6 +63,6 @@ def test_a_process_that_never_destroys_its_groups_has_them_ended_at_exit_unless_
     command = [sys.executable, "-c", _EXIT_SCRIPT, ending, str(tmp_path / "store")]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     threads = json.loads(proc.stdout.split("EXIT-THREADS", 1)[1])
-    assert proc.returncode == (0 if ending == "normal" else 1), proc.stderr[-3000:]
+    assert (proc.returncode == 0) == (ending == "normal"), proc.stderr[-3000:]  # (raised: 1, or an abort left to chance)
     assert (threads == []) if ending == "normal" else any(t.startswith("pt_gloo_runloop") for t in threads), threads
     assert proc.stderr.count("Traceback") == (ending == "raise"), proc.stderr[-3000:]  # one handler, no failure
