@@ -344,7 +344,8 @@ SHIMS: dict[str, Shim] = {
     ),
     "should_accumulate": _shim((f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._should_accumulate",), ("should_accumulate",)),
     "batches_that_stepped": _shim(
-        (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop()._batches_that_stepped",), ("batches_that_stepped",)
+        (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop()._batches_that_stepped",),
+        ("batches_that_stepped", "should_update_logs"),  # the latter's fast path in a training batch
     ),
     "update_learning_rates": _shim(
         (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._update_learning_rates",), ("wrap_update_learning_rates",)

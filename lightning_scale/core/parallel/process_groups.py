@@ -14,6 +14,7 @@ sets up a mesh therefore calls :func:`end_at_exit`.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 import sys
@@ -70,18 +71,14 @@ def end_process_groups(*, barrier: bool) -> list[str]:
     return communication_threads()
 
 
-_AT_EXIT: list[bool] = []
-
-
+@functools.cache
 def end_at_exit() -> None:
     """Have :func:`end_process_groups` (no barrier) run when this process exits, while the interpreter
     is still alive (``atexit``; once per process). For a user's own script, which seldom destroys the
     groups, and never the ones a mesh holds. Not after an uncaught exception: a peer may still be in a
     collective with this rank, and ending a group may wait for its work (torchtitan #1342 skips it too);
     nor after ``os._exit`` (the hang watchdog's exit), which runs no handler."""
-    if not _AT_EXIT:
-        atexit.register(_end_at_exit)
-        _AT_EXIT.append(True)
+    atexit.register(_end_at_exit)
 
 
 def _end_at_exit() -> None:
