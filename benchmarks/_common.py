@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_module
 import statistics
 import time
 from collections.abc import Callable
@@ -188,7 +189,17 @@ def run_workers(worker: Callable[..., None], world: int, args: argparse.Namespac
     procs = [ctx.Process(target=worker, args=(r, world, store.port, args, queue)) for r in range(world)]
     for proc in procs:
         proc.start()
-    result = queue.get(timeout=3600)
+    deadline = time.monotonic() + 3600
+    while True:  # a worker that died (an exception, a crash) fails the benchmark now, not at the deadline
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"workers failed before reporting (rank, exit code): {dead or 'timed out'}") from None
     for proc in procs:
         proc.join(timeout=120)
     return result

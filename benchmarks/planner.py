@@ -15,9 +15,18 @@
   the run holds at the step's start (:class:`~lightning_scale.core.planner.measure.StepTracker`).
   ``memory_error_mean``/``_max``: relative, over the one-process cases and every rank of the others
   (``memory_error_mean_multiprocess``/``_max_multiprocess``: the latter only);
-- published: the achieved teraFLOP/s per GPU of every row of Narayanan et al. 2021, Table 1
-  (Megatron-LM, 1.7B-1T parameters, up to 3,072 A100s) with the A100 preset's one set of constants
-  (``published_error_mean``/``_max``), each row printed;
+- Narayanan: the achieved teraFLOP/s per GPU of every row of Narayanan et al. 2021, Table 1
+  (Megatron-LM, 1.7B-1T parameters, up to 3,072 A100s) with the A100 Megatron constants, which were
+  fitted on it (``narayanan_error_mean``/``_max``), each row printed;
+- published: tokens/s per GPU of every record of three other sources
+  (:data:`~lightning_scale.core.planner.published.RECORDS`: Korthikanti et al. 2022, Megatron-Core's
+  weak scaling, llm-foundry's H100 tables; ``published_sources``), each row printed:
+  ``published_error_mean``/``_max`` pooled over their rows, ``published_spearman_min`` (the lowest of the
+  sources' rank correlations of predicted and published MFU), ``published_by_source``;
+  ``fsdp_scaling_spread``: MPT-13B under FSDP on 8 to 64 H100s, predicted per-GPU throughput's largest
+  over smallest minus one (published: flat);
+- ``untested_ranked``: data-parallel modes (with and without a pipeline) and schedules the planner ranks
+  that no memory case run here measures (``untested`` names them);
 - search: every layout of a 70B Llama-shaped model on 1,024 H100s estimated and ranked
   (``search_seconds``, CPU time of this process, and ``search_layouts``).
 
@@ -32,6 +41,7 @@ Prints ``BENCH planner {json}`` last and writes benchmarks/results/planner.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -44,10 +54,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape, plan
+from lightning_scale.core.planner.cluster import A100_MEGATRON
 from lightning_scale.core.planner.measure import StepTracker, tracked_peak
 from lightning_scale.core.planner.memory import estimate_memory
-from lightning_scale.core.planner.published import NARAYANAN_2021, megatron_flops_per_step
-from lightning_scale.core.planner.search import candidates
+from lightning_scale.core.planner.layout import DP_MODES
+from lightning_scale.core.planner.published import NARAYANAN_2021, RECORDS, megatron_flops_per_step, predict
+from lightning_scale.core.planner.search import PIPELINE_SCHEDULES, candidates
 from lightning_scale.core.planner.step_time import estimate_time
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule
 from lightning_scale.models.parallel import language_model_loss
@@ -112,6 +124,7 @@ HF_LLAMA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "nu
 MODELS: dict[str, Any] = {"gpt": _GPT_SMALL, "gpt-wide": _GPT_WIDE, "hf-llama": HF_LLAMA}
 
 _FP32 = Workload(8, 64, "32-true")
+_BF16 = Workload(8, 64, "bf16-mixed")
 MULTIPROCESS_CASES: dict[str, tuple[str, Workload, Candidate]] = {
     "gpt/ddp2": ("gpt", _FP32, Candidate(2, 1, 1, micro_batch=4)),
     "gpt/fsdp2": ("gpt", _FP32, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
@@ -133,6 +146,18 @@ MULTIPROCESS_CASES: dict[str, tuple[str, Workload, Candidate]] = {
     "gpt-wide/dp2-tp2-ac": ("gpt-wide", _FP32, Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True,
                                                           checkpointing="full")),
     "hf-llama/dp2-pp2": ("hf-llama", _FP32, Candidate(2, 1, 2, "fsdp", schedule="1f1b", micro_batch=2)),
+    "gpt/ddp2-bf16": ("gpt", _BF16, Candidate(2, 1, 1, micro_batch=4)),
+    "gpt/fsdp2-bf16": ("gpt", _BF16, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
+    "gpt/fsdp2-ac-bf16": ("gpt", _BF16, Candidate(2, 1, 1, "fsdp", micro_batch=4, checkpointing="full")),
+    "hf-llama/fsdp2-bf16": ("hf-llama", _BF16, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
+    "gpt/fsdp_grad_op2-bf16": ("gpt", _BF16, Candidate(2, 1, 1, "fsdp_grad_op", micro_batch=4)),
+    "gpt/hsdp4-bf16": ("gpt", _BF16, Candidate(4, 1, 1, "hsdp", micro_batch=2, hsdp_shard=2)),
+    "hf-llama/hsdp4": ("hf-llama", _FP32, Candidate(4, 1, 1, "hsdp", micro_batch=2, hsdp_shard=2)),
+    "gpt/fsdp_grad_op2-pp2-bf16": ("gpt", _BF16, Candidate(2, 1, 2, "fsdp_grad_op", schedule="1f1b", micro_batch=2)),
+    "hf-llama/fsdp2-pp2-bf16": ("hf-llama", _BF16, Candidate(2, 1, 2, "fsdp", schedule="1f1b", micro_batch=2)),
+    "gpt-wide/fsdp2-tp2-bf16": ("gpt-wide", _BF16, Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True)),
+    "gpt/hsdp4-pp2-bf16": ("gpt", Workload(16, 64, "bf16-mixed"), Candidate(4, 1, 2, "hsdp", schedule="gpipe", micro_batch=2,
+                                                                            hsdp_shard=2)),
 }  # fmt: skip
 """(model of :data:`MODELS`, workload, layout) per case, run by ``HybridParallelStrategy`` on
 ``candidate.world_size`` gloo processes."""
@@ -250,7 +275,7 @@ def published_errors() -> list[float]:
     recomputation, no sequence parallelism; predicted over published teraFLOP/s per GPU, minus one."""
     errors = []
     for run in NARAYANAN_2021:
-        node = cluster("a100-sxm-80", nodes=run.gpus // 8)
+        node = dataclasses.replace(cluster("a100-sxm-80", nodes=run.gpus // 8), efficiency=A100_MEGATRON)  # no fused attention in 2021
         workload = Workload(run.global_batch, run.seq_len, "16-mixed")
         options = [c for c in candidates(run.shape, workload, node, dp_modes=("ddp",), checkpointing=("full",),
                                          schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
@@ -262,6 +287,56 @@ def published_errors() -> list[float]:
         print(f"published {run.billions}B on {run.gpus} GPUs (tp={run.tp}, pp={run.pp}): predicted {predicted:.1f} "
               f"TFLOP/s per GPU, published {run.tflops_per_gpu}, error {errors[-1]:+.3f}")  # fmt: skip
     return errors
+
+
+def published_sources() -> dict[str, Any]:
+    """Every record of :data:`~lightning_scale.core.planner.published.RECORDS` (three sources besides
+    Narayanan's, none of them fitted but the H100 GEMM rate on ``megatron_core_2024``): predicted over
+    published tokens/s per GPU, minus one, printed per row; per source the mean and largest error and the
+    Spearman correlation of predicted and published MFU (``6 N + 12 L H Q T`` per token, both)."""
+    from planner_time import _spearman
+
+    by_source: dict[str, list[tuple[float, float, float]]] = {}
+    for record in RECORDS:
+        predicted = predict(record).tokens_per_sec / record.gpus
+        error = predicted / record.tokens_per_sec_per_gpu - 1
+        flops = record.shape.flops_per_token(record.seq_len)
+        by_source.setdefault(record.source, []).append((error, predicted * flops, record.tokens_per_sec_per_gpu * flops))
+        print(f"published {record.source} {record.label}: predicted {predicted:,.1f} tokens/s per GPU, published "
+              f"{record.tokens_per_sec_per_gpu:,.1f}, error {error:+.3f}")  # fmt: skip
+    report = {
+        name: {"rows": len(rows), "error_mean": statistics.fmean(abs(r[0]) for r in rows),
+               "error_max": max(abs(r[0]) for r in rows), "error_signed_mean": statistics.fmean(r[0] for r in rows),
+               "spearman": _spearman([r[1] for r in rows], [r[2] for r in rows])}
+        for name, rows in by_source.items()
+    }  # fmt: skip
+    every = [abs(r[0]) for rows in by_source.values() for r in rows]
+    return {"published_sources": sorted(report), "published_error_mean": statistics.fmean(every),
+            "published_error_max": max(every), "published_spearman_min": min(r["spearman"] for r in report.values()),
+            "published_by_source": report}  # fmt: skip
+
+
+def fsdp_scaling_spread() -> float:
+    """llm-foundry's MPT-13B at sequence 2,048, micro-batch 2, FULL_SHARD on 8, 16, 32 and 64 H100s (4,792, 4,767,
+    4,811 and 4,800 tokens/s per GPU published): the predicted tokens/s per GPU's largest over smallest, minus one
+    (a planner that timed inter-node collectives over one NIC predicted a 7x fall from 8 to 16)."""
+    rows = [r for r in RECORDS if r.label in {f"mpt-13b seq 2048 on {n}" for n in (8, 16, 32, 64)}]
+    rates = [predict(r).tokens_per_sec / r.gpus for r in rows]
+    print("fsdp scaling, MPT-13B on 8/16/32/64 H100s: predicted tokens/s per GPU " + ", ".join(f"{x:,.0f}" for x in rates))
+    return max(rates) / min(rates) - 1
+
+
+def untested_ranked(cases: list[str]) -> list[str]:
+    """What the planner ranks by default and none of the measured ``cases`` exercises: each data-parallel
+    mode without and with a pipeline, and each pipeline schedule (:data:`PIPELINE_SCHEDULES`)."""
+    measured = [MULTIPROCESS_CASES[n][2] for n in cases if n in MULTIPROCESS_CASES]
+    if any(n in MEMORY_CASES for n in cases):
+        measured.append(Candidate(1, 1, 1))
+    wanted = {f"{mode} pp{'>1' if piped else '=1'}" for mode in DP_MODES for piped in (False, True)}
+    wanted |= {f"schedule {schedule}" for schedule, _ in PIPELINE_SCHEDULES}
+    seen = {f"{c.dp_mode} pp{'>1' if c.pp > 1 else '=1'}" for c in measured if c.dp > 1 or c.dp_mode == "ddp"}
+    seen |= {f"schedule {c.schedule}" for c in measured if c.pp > 1}
+    return sorted(wanted - seen)
 
 
 LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -290,13 +365,16 @@ def main() -> None:
         parser.error(f"unknown memory case(s) {unknown}; valid: {', '.join(every)}")
     memory = memory_errors([n for n in names if n in MEMORY_CASES]) if set(names) & set(MEMORY_CASES) else {}
     multiprocess: dict[str, float] = {}
-    for world in (2, 4):  # one start of the processes per world size, its cases in sequence
+    for world in (2, 4, 8):  # one start of the processes per world size, its cases in sequence
         chosen = [n for n in names if n in MULTIPROCESS_CASES and MULTIPROCESS_CASES[n][2].world_size == world]
         if chosen:
             from _common import run_workers
 
             multiprocess |= multiprocess_errors(run_workers(_multiprocess_worker, world, argparse.Namespace(names=chosen)))
     published = published_errors()
+    others = published_sources()
+    scaling = fsdp_scaling_spread()
+    untested = untested_ranked(names)
     seconds, layouts = search()
     every_error = [abs(e) for e in (*memory.values(), *multiprocess.values())]
     timed: dict[str, Any] = {}
@@ -319,8 +397,12 @@ def main() -> None:
         "time_error_max": timed.get("time_error_max"),
         "time_cases": timed.get("time_cases"),
         "spearman": timed.get("spearman"),
-        "published_error_mean": statistics.fmean(abs(e) for e in published),
-        "published_error_max": max(abs(e) for e in published),
+        "narayanan_error_mean": statistics.fmean(abs(e) for e in published),
+        "narayanan_error_max": max(abs(e) for e in published),
+        **others,
+        "fsdp_scaling_spread": scaling,
+        "untested_ranked": len(untested),
+        "untested": untested,
         "auto_vs_best": timed.get("auto_vs_best"),
         "auto_layout": timed.get("auto_layout"),
         "search_seconds": seconds,

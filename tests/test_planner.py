@@ -190,12 +190,13 @@ def test_one_process_memory_is_within_10_percent_of_the_tracked_peak() -> None:
 
 
 MULTIPROCESS_SUBSET = {
-    2: ["gpt/ddp2", "gpt/fsdp2-ac", "gpt/tp2", "gpt/pp2-gpipe", "gpt/pp2-interleaved", "hf-llama/pp2-1f1b"],
-    4: ["gpt/tp2-pp2", "gpt-wide/dp2-tp2-ac"],
+    2: ["gpt/ddp2", "gpt/fsdp2-ac", "gpt/tp2", "gpt/pp2-gpipe", "gpt/pp2-interleaved", "hf-llama/pp2-1f1b", "hf-llama/fsdp2-bf16"],
+    4: ["gpt/tp2-pp2", "gpt-wide/dp2-tp2-ac", "gpt/fsdp_grad_op2-pp2-bf16"],
 }
 """Of the benchmark's multi-process cases: DDP's buckets, FSDP2's buffers under checkpointing, sequence
 parallelism's gathered inputs, GPipe's gradients, interleaved stages, a Hugging Face Llama's pipeline,
-tensor x pipeline, and FSDP2 over tensor parallelism."""
+FSDP2's mixed precision (bf16 gathers and activations, no autocast copies) on a Hugging Face Llama,
+tensor x pipeline, FSDP2 over tensor parallelism, and ``fsdp_grad_op`` under a pipeline in bf16."""
 
 
 def _multiprocess_peaks(rank: int, world: int, names: list[str]) -> Any:
@@ -229,8 +230,13 @@ def test_sharding_divides_the_states_the_mode_shards() -> None:
     zero2 = estimate_memory(shape, workload, Candidate(8, 1, 1, dp_mode="fsdp_grad_op", micro_batch=8)).terms
     assert fsdp["parameters"] == pytest.approx(ddp["parameters"] / 8)
     assert fsdp["optimizer"] == zero2["optimizer"] == pytest.approx(ddp["optimizer"] / 8)
-    assert zero2["parameters"] == ddp["parameters"]  # gathered from the forward to the backward
+    # FSDP2's mixed precision: the fp32 shards, and the bf16 copy gathered from the forward to the backward.
+    assert zero2["parameters"] == pytest.approx(ddp["parameters"] * (1 / 8 + 2 / 4))
     assert fsdp["fsdp_buffers"] > 0 and ddp["fsdp_buffers"] == 0
+    # No autocast copies where FSDP2 casts the parameters; DDP (autocast) keeps a 16-bit copy of each weight.
+    assert fsdp["cast_weights"] == zero2["cast_weights"] == 0 and ddp["cast_weights"] > 0
+    fp32 = estimate_memory(shape, Workload(64, 1024, "32-true"), Candidate(8, 1, 1, dp_mode="fsdp_grad_op", micro_batch=8)).terms
+    assert fp32["parameters"] == ddp["parameters"]  # fp32: the gathered parameters are the fp32 ones
 
 
 # ------------------------------------------------------------------------------------ time
@@ -242,7 +248,8 @@ def test_pipeline_bubble_is_the_schedules_predicted_share() -> None:
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         c = Candidate(2, 1, 4, schedule=schedule, virtual_stages=v, micro_batch=2)
         terms = estimate_time(shape, workload, c, node).terms
-        pipeline = sum(terms[k] for k in ("compute", "recompute", "tensor_parallel", "pipeline_transfers", "bubble"))
+        pipeline = sum(terms[k] for k in ("compute", "attention", "elementwise", "recompute", "tensor_parallel",
+                                          "pipeline_transfers", "bubble"))  # fmt: skip
         assert terms["bubble"] / pipeline == pytest.approx(bubble_fraction(schedule, 4, 8, v))
 
 
@@ -260,7 +267,7 @@ def test_on_a_host_whose_processes_share_cores_the_bubble_shrinks_by_their_slowd
     share = bubble_fraction("1f1b", 2, 4)
     for slowdown in (1.0, 2.0):
         terms = estimate_time(TINY, workload, c, _cpu_host(slowdown), eff).terms
-        busy = sum(terms[k] for k in ("compute", "recompute", "tensor_parallel", "pipeline_transfers", "overhead"))
+        busy = sum(terms[k] for k in ("compute", "attention", "recompute", "tensor_parallel", "pipeline_transfers", "overhead"))
         assert terms["bubble"] == pytest.approx(busy * share / (1 - share) / slowdown)
 
 
@@ -283,7 +290,8 @@ def test_a_recomputed_block_pays_its_forward_share_of_the_fixed_cost_again() -> 
     none = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8), host, eff).terms
     full = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8, checkpointing="full"), host, eff).terms
     assert none["overhead"] == pytest.approx(4 * 1e-3) and full["overhead"] == pytest.approx(4 * 1.4 * 1e-3)
-    assert full["recompute"] == pytest.approx(none["compute"] * 4 * TINY.block_flops_per_token(128) / 3
+    # On a CPU attention runs as plain matmuls at the GEMM rate: a block's forward is a third of its FLOPs.
+    assert full["recompute"] == pytest.approx((none["compute"] + none["attention"]) * 4 * TINY.block_flops_per_token(128) / 3
                                               / (TINY.flops_per_token(128)))  # fmt: skip
 
 
@@ -294,13 +302,26 @@ def test_an_interleaved_rank_sends_and_receives_once_per_stage() -> None:
     assert two["pipeline_transfers"] == pytest.approx(2 * one["pipeline_transfers"]) and one["pipeline_transfers"] > 0
 
 
-def test_a_single_device_step_is_compute_and_the_optimizer_only() -> None:
+def test_a_single_device_step_is_gemms_attention_memory_bound_operators_and_the_optimizer_only() -> None:
+    """Each at its own rate: GEMMs at ``compute`` of the peak (less for small matmuls), the causal attention
+    kernel's half of ``12 H Q T`` at its own efficiency (lower for short sequences), the eager operators'
+    traffic (GPT-2: LayerNorm, GeLU, learned positions) at the HBM bandwidth."""
     shape, workload = model_shape(PRESETS["gpt2-124m"]), Workload(8, 1024, "bf16-mixed")
     node = cluster("h100-sxm", devices_per_node=1)
     e = estimate_time(shape, workload, Candidate(1, 1, 1, micro_batch=8), node)
-    assert {k for k, v in e.terms.items() if v} == {"compute", "optimizer"}
-    rate = e.inputs["matmul_rate"]
-    assert e.terms["compute"] == pytest.approx(shape.flops_per_token(1024) * workload.tokens / rate)
+    assert {k for k, v in e.terms.items() if v} == {"compute", "attention", "elementwise", "optimizer"}
+    eff, peak, tokens = node.efficiency, 989.4e12, 8 * 1024
+    d, layers, vocab = 768, 12, 50257
+    assert e.inputs["matmul_rate"] == pytest.approx(peak * eff.compute * 768 / (768 + eff.matmul_half))
+    gemm = layers * 6 * 12 * d * d + 6 * vocab * d  # per token: the blocks' linears and the head
+    assert e.terms["compute"] == pytest.approx(gemm * tokens / e.inputs["matmul_rate"])
+    attention_rate = peak * eff.attention * 1024 / (1024 + eff.attention_half)
+    assert e.terms["attention"] == pytest.approx(layers * 12 * d * 1024 / 2 * tokens / attention_rate)
+    # Per token and block, forward: norms 2 x 2d and residual adds 2 x 3d at fp32 (autocast); q/k/v and the
+    # output head-major 2 x 3d + 2d, GeLU 2 x 4d at bf16; the backward twice that. The loss: 3a + 28 bytes a logit.
+    block = 3 * (10 * d * 4 + (8 * d + 8 * d) * 2)
+    moved = layers * block + vocab * (3 * 2 + 28)
+    assert e.terms["elementwise"] == pytest.approx(moved * tokens / (3.35e12 * eff.memory))
 
 
 def test_published_megatron_throughput_within_15_percent_with_one_set_of_constants() -> None:

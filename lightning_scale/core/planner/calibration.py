@@ -93,7 +93,8 @@ def planner_record(
     return {
         "shape": asdict(shape), "workload": asdict(workload), "candidate": asdict(candidate),
         "cluster": {"key": calibration_key(cluster), "name": cluster.name, "devices_per_node": cluster.devices_per_node,
-                    "nodes": cluster.nodes, "device": device, "intra": cluster.intra.name, "inter": cluster.inter.name},
+                    "nodes": cluster.nodes, "nics_per_node": cluster.nics_per_node, "device": device,
+                    "intra": cluster.intra.name, "inter": cluster.inter.name},
         "peak_flops": peak,
     }  # fmt: skip
 
@@ -122,7 +123,11 @@ def cluster_from_record(record: Any, where: str) -> Cluster:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
         raise ValueError(f"{where}: planner.inputs.cluster sizes {sizes} are not integers.")
     name = record.get("name") if isinstance(record.get("name"), str) else "recorded"
-    return Cluster(built, sizes["devices_per_node"], sizes["nodes"], links[0], links[1], name, base_efficiency(built))
+    preset = next((c for c in CLUSTERS.values() if c.device.name == built.name), None)
+    nics = record.get("nics_per_node", preset.with_size(devices_per_node=sizes["devices_per_node"]).nics_per_node if preset else 1)
+    if not isinstance(nics, int) or isinstance(nics, bool) or nics < 1:
+        raise ValueError(f"{where}: planner.inputs.cluster.nics_per_node={nics!r} is not a positive integer.")
+    return Cluster(built, sizes["devices_per_node"], sizes["nodes"], links[0], links[1], name, base_efficiency(built), nics)
 
 
 def base_efficiency(device: Device) -> Efficiency:
@@ -308,7 +313,10 @@ def load_calibration(cluster: Cluster, path: str | os.PathLike[str] | None = Non
     where = f"{target}[{calibration_key(cluster)!r}]"
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is not an object; remove it or recalibrate.")
-    return _typed(Efficiency, {k: v for k, v in entry.items() if k not in ("runs", "fitted_at")}, where)
+    stored = {k: v for k, v in entry.items() if k not in ("runs", "fitted_at")}
+    checked = _typed(Efficiency, stored, where)
+    # A factor the store lacks (stored before the planner had it) keeps the system's own default.
+    return replace(base_efficiency(cluster.device), **{k: getattr(checked, k) for k in stored})
 
 
 def calibrated(cluster: Cluster, path: str | os.PathLike[str] | None = None) -> Cluster:

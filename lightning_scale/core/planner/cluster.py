@@ -1,9 +1,12 @@
 """The machines a plan is made for: a device type, devices per node, nodes, and the links between them.
 
-Each figure carries its source. Link bandwidths are *per device and per direction*: what one device
-can push while every device of its group does the same, which is what a ring collective's time
-depends on (an all-reduce of ``B`` bytes over ``n`` devices moves ``2 (n - 1) / n * B`` per device).
-Achieved bandwidth is lower than these nominal figures; the planner multiplies them by an efficiency
+Each figure carries its source. A link's bandwidth is *per port and per direction*: within a node what
+one device can push while every device of its group does the same (NVLink, PCIe, gloo's loopback),
+between nodes what one NIC carries. A node has :attr:`Cluster.nics_per_node` NICs: NCCL drives all of
+them at once (one channel per NIC; the ring or tree crosses between nodes on every NIC in parallel),
+so a collective's group that leaves the node is limited by its members' share of the node's NICs, not
+by one NIC (:func:`~lightning_scale.core.planner.collectives.collective_time`). Achieved bandwidth is
+lower than these nominal figures; the planner multiplies them by an efficiency
 (:class:`~lightning_scale.core.planner.step_time.Efficiency`) that calibration fits per link class.
 
 No Lightning; the peak FLOP/s come from :mod:`lightning_scale.core.telemetry.peaks`.
@@ -11,6 +14,7 @@ No Lightning; the peak FLOP/s come from :mod:`lightning_scale.core.telemetry.pea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 
@@ -19,8 +23,8 @@ import torch
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
-__all__ = ["CLUSTERS", "DEVICES", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster", "cpu_cluster",
-           "local_cluster"]
+__all__ = ["A100_FLASH", "CLUSTERS", "DEVICES", "HOPPER", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster",
+           "cpu_cluster", "local_cluster"]
 
 GiB = 2**30
 GB = 1e9
@@ -85,10 +89,12 @@ LINKS: dict[str, Link] = {
     for link in (
         Link("nvlink4", 450 * GB, 5e-6, _NV + "nvlink/ (NVLink 4: 900 GB/s per GPU, both directions)"),
         Link("nvlink3", 300 * GB, 5e-6, _NV + "nvlink/ (NVLink 3: 600 GB/s per GPU, both directions)"),
-        Link("ib-ndr", 50 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (NDR 400 Gb/s, one HCA per GPU)"),
-        Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s, one HCA per GPU)"),
+        Link("ib-ndr", 50 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (NDR 400 Gb/s per HCA; a "
+             "DGX H100 has 8, one per GPU)"),
+        Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s per HCA; a "
+             "DGX A100 has 8, one per GPU)"),
         Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
-        Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet per node, shared by its GPUs"),
+        Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet, one port per node shared by its GPUs"),
         Link("gloo-loopback", 0.5 * GB, 500e-6, "gloo over TCP on one host, measured (torch 2.13, two processes of "
              "one thread on a 2-core AMD EPYC host at load average 1, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
              "at 0.3 to 0.6 GB/s per device, all-reduces at about 1 GB/s, a 4 kB collective in 0.5 ms"),
@@ -102,17 +108,33 @@ class Efficiency:
     """The achieved fractions of nominal rates, per system (device and interconnect)."""
 
     compute: float = 0.7
-    """Fraction of the peak FLOP/s a large matmul reaches."""
+    """Fraction of the peak FLOP/s a large matmul (GEMM) reaches in a training step."""
     matmul_half: float = 128.0
     """The smallest GEMM dimension at which a matmul reaches half of ``compute``'s rate."""
+    attention: float = 0.0
+    """Fraction of the peak FLOP/s a fused attention kernel (flash, cuDNN or memory-efficient SDPA)
+    reaches at long sequences, on the FLOPs it executes: under a causal mask it skips the masked half,
+    so it executes half of the ``12 H Q T`` per token that MFU counts. 0: no fused kernel, the full
+    product runs as plain matmuls at the GEMM rate (Megatron-LM in 2021; a CPU's)."""
+    attention_half: float = 0.0
+    """The sequence length at which attention reaches half of ``attention``'s rate (short sequences leave
+    the kernel's tiles and the GPU's SMs part idle); 0: the same rate at every length."""
+    elementwise: float = 0.0
+    """How many times the eager operators' traffic (:meth:`~lightning_scale.core.planner.shape.ModelShape.
+    elementwise_bytes_per_token`: norms, residual adds, activations, rotary, head-major copies, the loss's
+    softmax) a step moves through device memory: 1 for eager PyTorch, less where a compiler fuses them;
+    0: not modelled (a CPU's calibrated ``overhead`` carries it)."""
     intra_link: float = 0.7
     inter_link: float = 0.7
     latency: float = 1.0
     """Achieved latency of a collective's step as a multiple of the link's nominal one."""
     dp_overlap: float = 0.8
     """Share of the data-parallel communication hidden behind the compute it can overlap."""
+    tp_overlap: float = 0.0
+    """Share of the tensor-parallel communication hidden behind the GEMMs around it (Transformer Engine's
+    userbuffer overlap, torch's async TP); 0 for DTensor's plain collectives, which run in turn."""
     memory: float = 0.7
-    """Fraction of the memory bandwidth an elementwise optimizer update reaches."""
+    """Fraction of the memory bandwidth elementwise kernels reach (the optimizer update, ``elementwise``)."""
     overhead: float = 0.0
     """Seconds per block and micro-batch, forward and backward, that are neither FLOPs nor bytes: kernel
     launches and the framework's Python (tens of microseconds a block on a GPU hidden behind its
@@ -139,9 +161,11 @@ class Efficiency:
 
 
 A100_MEGATRON = Efficiency(
-    compute=0.65, matmul_half=64.0, intra_link=0.5, inter_link=0.5,
-    source="fitted jointly (one set, a grid over compute, matmul_half and link efficiency) to the 10 rows of "
-    "Narayanan et al. 2021, Table 1 (lightning_scale.core.planner.published): Megatron-LM on DGX A100",
+    compute=0.6, matmul_half=64.0, intra_link=0.78, inter_link=0.78, dp_overlap=0.0,
+    source="links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 of 300 GB/s); no data-parallel overlap "
+    "(Megatron-LM reduced its gradients after the backward until 2023); compute and matmul_half fitted on a grid "
+    "to the 10 rows of Narayanan et al. 2021, Table 1 (lightning_scale.core.planner.published): Megatron-LM on "
+    "DGX A100",
 )
 
 
@@ -157,11 +181,19 @@ class Cluster:
     name: str = "custom"
     efficiency: Efficiency = field(default_factory=Efficiency)
     """What this system achieves of its nominal rates (defaults until calibrated)."""
+    nics_per_node: int = 1
+    """The node's ports on the ``inter`` link (a DGX: one NIC per GPU; Ethernet hosts: usually one)."""
 
     def __post_init__(self) -> None:
         check_positive_int("devices_per_node", self.devices_per_node, fix="It is the devices of one node.")
         check_positive_int("nodes", self.nodes, fix="It is the number of nodes.")
+        check_positive_int("nics_per_node", self.nics_per_node, fix="It is the NICs of one node on the inter-node link.")
         check_positive_number("device memory", self.device.memory)
+
+    @property
+    def nic_share(self) -> float:
+        """Nominal inter-node bytes/s per device: the node's NICs shared by its devices."""
+        return self.inter.bandwidth * self.nics_per_node / self.devices_per_node
 
     @property
     def world_size(self) -> int:
@@ -172,20 +204,44 @@ class Cluster:
         return self.intra if group_span <= self.devices_per_node else self.inter
 
     def with_size(self, *, nodes: int | None = None, devices_per_node: int | None = None) -> Cluster:
-        return replace(self, nodes=nodes or self.nodes, devices_per_node=devices_per_node or self.devices_per_node)
+        """The same system with other sizes; a node of more or fewer devices keeps each device's share of
+        the NICs (a DGX's one per GPU), at least one per node."""
+        per_node = devices_per_node or self.devices_per_node
+        nics = max(1, self.nics_per_node * per_node // self.devices_per_node)
+        return replace(self, nodes=nodes or self.nodes, devices_per_node=per_node, nics_per_node=nics)
 
 
-def _preset(name: str, device: str, per_node: int, intra: str, inter: str, efficiency: Efficiency | None = None) -> Cluster:
-    return Cluster(DEVICES[device], per_node, 1, LINKS[intra], LINKS[inter], name, efficiency or Efficiency())
+HOPPER = Efficiency(
+    compute=0.7, matmul_half=256.0, attention=0.343, attention_half=576.0, elementwise=1.0, memory=0.8,
+    intra_link=0.7, inter_link=0.85,
+    source="defaults from published kernel and collective benchmarks (docs/planner.md, Constants): attention "
+    "from FlashAttention-2 on H100 (causal, head dim 128, forward and backward: 265 TFLOP/s at 2k, 328 at 16k); "
+    "inter-node from nccl-tests (~350 GB/s bus bandwidth on nodes of 8 H200s with 8 NDR NICs); GEMMs at 0.6 of "
+    "the datasheet peak in a training step (see docs/planner.md: 0.8 is the best single-GEMM rate, sustained "
+    "clocks and shapes cost the rest); not calibrated",
+)
+"""H100/H200 systems before calibration."""
+A100_FLASH = dataclasses.replace(
+    A100_MEGATRON, attention=0.625, attention_half=530.0, elementwise=1.0, memory=0.8,
+    source=A100_MEGATRON.source + "; attention from FlashAttention-2 on A100 (causal, head dim 128, forward and "
+    "backward: 155 TFLOP/s at 2k, 189 at 16k), elementwise traffic at 0.8 of HBM",
+)
+"""A100 systems: Megatron's fitted GEMM and link constants, attention and eager elementwise traffic from kernel
+benchmarks."""
+
+
+def _preset(name: str, device: str, per_node: int, intra: str, inter: str, efficiency: Efficiency | None = None,
+            nics: int = 1) -> Cluster:  # fmt: skip
+    return Cluster(DEVICES[device], per_node, 1, LINKS[intra], LINKS[inter], name, efficiency or Efficiency(), nics)
 
 
 CLUSTERS: dict[str, Cluster] = {
     c.name: c
     for c in (
-        _preset("h100-sxm", "H100 SXM 80GB", 8, "nvlink4", "ib-ndr"),
-        _preset("h200-sxm", "H200 SXM 141GB", 8, "nvlink4", "ib-ndr"),
-        _preset("a100-sxm-80", "A100 SXM 80GB", 8, "nvlink3", "ib-hdr", A100_MEGATRON),
-        _preset("a100-sxm-40", "A100 SXM 40GB", 8, "nvlink3", "ib-hdr", A100_MEGATRON),
+        _preset("h100-sxm", "H100 SXM 80GB", 8, "nvlink4", "ib-ndr", HOPPER, nics=8),
+        _preset("h200-sxm", "H200 SXM 141GB", 8, "nvlink4", "ib-ndr", HOPPER, nics=8),
+        _preset("a100-sxm-80", "A100 SXM 80GB", 8, "nvlink3", "ib-hdr", A100_FLASH, nics=8),
+        _preset("a100-sxm-40", "A100 SXM 40GB", 8, "nvlink3", "ib-hdr", A100_FLASH, nics=8),
         _preset("l4-pcie", "L4", 8, "pcie4", "ethernet-100g"),
         _preset("l40s-pcie", "L40S", 8, "pcie4", "ethernet-100g"),
     )
@@ -193,8 +249,9 @@ CLUSTERS: dict[str, Cluster] = {
 """One node of each usual system; :func:`cluster` sets the node count."""
 
 
-_LINKS_OF_CHIP = {"H100 SXM": ("nvlink4", "ib-ndr"), "H200 SXM": ("nvlink4", "ib-ndr"), "A100": ("nvlink3", "ib-hdr")}
-"""The links of the usual systems built on a chip; any other chip: PCIe within a node, Ethernet between."""
+_LINKS_OF_CHIP = {"H100 SXM": ("nvlink4", "ib-ndr", 8), "H200 SXM": ("nvlink4", "ib-ndr", 8), "A100": ("nvlink3", "ib-hdr", 8)}
+"""The links (and NICs per node) of the usual systems built on a chip; any other chip: PCIe within a node,
+one Ethernet port between."""
 
 
 def local_cluster(
@@ -216,12 +273,13 @@ def local_cluster(
             "lightning-scale-plan cluster=<preset>)."
         )
     device = min(rows, key=lambda d: abs(d.memory - (device_memory or d.memory)))  # a chip sold in two sizes
-    intra, inter = _LINKS_OF_CHIP.get(chip or "", ("pcie4", "ethernet-100g"))
+    intra, inter, nics = _LINKS_OF_CHIP.get(chip or "", ("pcie4", "ethernet-100g", 1))
     preset = next((c for c in CLUSTERS.values() if c.device is device), None)
     efficiency = preset.efficiency if preset is not None else Efficiency()
     if device_memory:
         device = replace(device, memory=float(device_memory))
-    return Cluster(device, devices_per_node, nodes, LINKS[intra], LINKS[inter], f"local-{chip}", efficiency)
+    return Cluster(device, devices_per_node, nodes, LINKS[intra], LINKS[inter], f"local-{chip}", efficiency,
+                   max(1, nics * devices_per_node // 8) if nics > 1 else 1)  # fmt: skip
 
 
 def _host_memory() -> float:

@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
 from lightning_scale.core.planner.shape import ModelShape
 
-__all__ = ["MemoryEstimate", "estimate_memory", "in_flight", "rank_blocks"]
+__all__ = ["MemoryEstimate", "estimate_memory", "fsdp_mixed_precision", "in_flight", "rank_blocks"]
 
 
 @dataclass(frozen=True)
@@ -114,21 +114,35 @@ def in_flight(candidate: Candidate, microbatches: int, rank: int) -> float:
     return chunks / v
 
 
-def _residual_bytes(workload: Workload) -> int:
-    """Bytes per element of the residual stream (fp32 under mixed precision) and of the norms' inputs."""
+def fsdp_mixed_precision(workload: Workload, candidate: Candidate) -> bool:
+    """Whether FSDP2's ``MixedPrecisionPolicy`` runs the mixed precision instead of autocast: the sharding
+    modes under a mixed precision (what the package's precision plugin does). The block's inputs and
+    weights are then cast to the compute dtype once (its activations, gathered parameters and unsharded
+    gradients are 16-bit; no per-linear autocast copies), the shards, their gradients and the optimizer
+    state stay fp32, and gradients are reduced in fp32."""
+    pbytes, _, a = PRECISION_BYTES[workload.precision]
+    return candidate.dp_mode in ("fsdp", "fsdp_grad_op", "hsdp") and candidate.dp > 1 and pbytes > a
+
+
+def _residual_bytes(workload: Workload, candidate: Candidate | None = None) -> int:
+    """Bytes per element of the residual stream (fp32 under autocast, 16-bit under FSDP2's mixed
+    precision, which casts each block's input) and of the norms' inputs."""
+    if candidate is not None and fsdp_mixed_precision(workload, candidate):
+        return PRECISION_BYTES[workload.precision][2]
     return 4 if workload.precision in ("32-true", "bf16-mixed", "16-mixed") else 2
 
 
 def _block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Candidate) -> tuple[float, float]:
     """(bytes one block saves per micro-batch, bytes a checkpointed block keeps: its input)."""
     pbytes, _, a = PRECISION_BYTES[workload.precision]
-    r = _residual_bytes(workload)
+    r = _residual_bytes(workload, candidate)
     t = candidate.tp
     sp = t if candidate.sequence_parallel else 1
     tokens = candidate.micro_batch * workload.seq_len
     d, q = shape.d_model, shape.head_dim
     norms = 2 * d * r * (1 if shape.layernorm else 2) + 16  # inputs (RMSNorm's normalised input too), statistics
-    readers = (3 + (2 if shape.gated_mlp else 1)) if pbytes > a else 2  # autocast: every linear casts its own copy
+    autocast = pbytes > a and not fsdp_mixed_precision(workload, candidate)
+    readers = (3 + (2 if shape.gated_mlp else 1)) if autocast else 2  # autocast: every linear casts its own copy
     attention = a * (shape.n_heads + 2 * shape.n_kv_heads) * q + 4 * shape.n_heads
     attention += a * shape.n_heads * q * (1 if shape.learned_positions else 2)  # output, and the copy after rotary
     mlp = a * shape.d_ff * (4 if shape.gated_mlp else 2)
@@ -172,7 +186,9 @@ def _rank_estimate(
     if candidate.schedule in ("zbv", "dualpipev") and p > 1:
         first = last = rank == 0  # V-shaped: rank 0 runs the first and the last stage
     pbytes, gbytes, a = PRECISION_BYTES[workload.precision]
-    r = _residual_bytes(workload)
+    r = _residual_bytes(workload, candidate)
+    mixed = fsdp_mixed_precision(workload, candidate)
+    gathered = a if mixed else pbytes  # FSDP2 gathers (and computes gradients) in the compute dtype
     params, matmul = _rank_parameters(shape, candidate, first, last)
     p_shard, g_shard, o_shard = _shards(candidate)
     blocks = rank_blocks(shape, p)
@@ -182,20 +198,25 @@ def _rank_estimate(
         "parameters": params * pbytes / p_shard,
         "gradients": params * gbytes / g_shard,
         "optimizer": params * pbytes * OPTIMIZERS[workload.optimizer] / o_shard,
-        "cast_weights": matmul * a if pbytes > a else 0.0,
+        "cast_weights": matmul * a if pbytes > a and not mixed else 0.0,
         "fsdp_buffers": 0.0,
         "ddp_buckets": 0.0,
     }
     backward_only = 0.0  # what the backward allocates before the new gradients (the loss's, FSDP's buffers)
     if candidate.dp_mode in ("fsdp", "hsdp") and p_shard > 1 and p > 1:
-        # Gathered once for every micro-batch of the step; gradients reduce-scattered after the last.
-        terms["fsdp_buffers"] = params * pbytes
+        # Gathered once for every micro-batch of the step; gradients accumulated unsharded (in the reduce
+        # dtype, fp32) and reduce-scattered after the last.
+        terms["fsdp_buffers"] = params * gathered
         terms["gradients"] = params * gbytes
     elif candidate.dp_mode in ("fsdp", "hsdp") and p_shard > 1:
-        backward_only = block_params * (pbytes + gbytes)
-        terms["fsdp_buffers"] = block_params * pbytes + backward_only + (params - blocks * block_params) * pbytes
+        # In the backward: the next block gathered, this one's unsharded gradients (and, under mixed
+        # precision, their copy in the reduce dtype the reduce-scatter reads).
+        backward_only = block_params * (gathered + (a + gbytes if mixed else gbytes))
+        terms["fsdp_buffers"] = block_params * gathered + backward_only + (params - blocks * block_params) * gathered
     elif candidate.dp_mode == "fsdp_grad_op" and candidate.dp > 1:
-        terms["fsdp_buffers"] = block_params * gbytes
+        terms["fsdp_buffers"] = block_params * (a + gbytes if mixed else gbytes)
+        if mixed:  # the fp32 shards, and the 16-bit gathered copy held from the forward to the backward
+            terms["parameters"] = params * (pbytes / candidate.dp + a)
     elif candidate.dp_mode == "ddp" and candidate.dp > 1 and candidate.tp == p == 1:
         terms["ddp_buckets"] = params * gbytes
     elif candidate.dp_mode == "ddp" and candidate.dp > 1:

@@ -105,6 +105,33 @@ class ModelShape:
         :mod:`lightning_scale.core.telemetry.flops`; full attention product, as ``FlopCounterMode`` counts)."""
         return 6.0 * self.block_matmul_parameters + 12.0 * self.attention_width * seq_len
 
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """The ``12 H Q T`` of :meth:`block_flops_per_token`: attention's two products, forward and
+        backward, over the full sequence (a causal kernel executes half of it)."""
+        return 12.0 * self.attention_width * seq_len
+
+    def elementwise_bytes_per_token(self, activation_bytes: int, residual_bytes: int) -> float:
+        """Bytes one block's memory-bound operators read and write per token in eager PyTorch, forward
+        and backward (the backward about twice the forward: each reads its input and the output's
+        gradient and writes the input's). Per token, the forward: two norms (read ``d``, write ``d``)
+        and two residual adds (read ``2 d``, write ``d``) at the residual stream's width ``r``; at the
+        activation width ``a``: queries, keys and values copied heads-major (``2 (H + 2 K) Q``), the
+        attention's output copied back (``2 H Q``), rotary embeddings on queries and keys (read and
+        write, and the tables: ``3 (H + K) Q``), the MLP's activation (``2 F``; gated ``5 F``: SiLU,
+        then the product of two). Biases are added inside the matmuls."""
+        d, q = self.d_model, self.head_dim
+        residual = (2 * 2 + 2 * 3) * d * residual_bytes
+        heads = 2 * (self.n_heads + 2 * self.n_kv_heads) * q + 2 * self.n_heads * q
+        rotary = 0 if self.learned_positions else 3 * (self.n_heads + self.n_kv_heads) * q
+        mlp = (5 if self.gated_mlp else 2) * self.d_ff
+        return 3.0 * (residual + (heads + rotary + mlp) * activation_bytes)
+
+    def loss_bytes_per_token(self, activation_bytes: int) -> float:
+        """Bytes the loss moves per token over the vocabulary: forward, the head's output written
+        (``a``), cast to fp32 (``a + 4``), the log-softmax read and written (``8``); backward, its
+        gradient from the saved output and the incoming gradient (``12``) and the cast back (``4 + a``)."""
+        return self.vocab_size * (3 * activation_bytes + 28)
+
     def head_flops_per_token(self) -> float:
         return 6.0 * self.vocab_size * self.d_model
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner.cluster import Cluster, Efficiency
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
-from lightning_scale.core.planner.memory import rank_blocks
+from lightning_scale.core.planner.collectives import collective_time, placement, point_to_point_bandwidth
+from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks
 from lightning_scale.core.planner.shape import ModelShape
 
 __all__ = ["Efficiency", "TimeEstimate", "estimate_time"]  # Efficiency: defined with the clusters
@@ -68,11 +69,10 @@ class TimeEstimate:
         return sum(self.terms.values())
 
 
-def _ring(n: int, nbytes: float, factor: float, bandwidth: float, latency: float, messages: int = 1) -> float:
-    """``messages`` collectives over ``n`` devices moving ``nbytes`` in all (``factor`` 2: all-reduces)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return factor * (n - 1) / n * nbytes / bandwidth + messages * (n - 1) * latency
+def _exposed(seconds: float, window: float, overlap: float) -> float:
+    """What of a collective's ``seconds`` is not hidden behind ``window`` seconds of compute, at most
+    ``overlap`` of either."""
+    return max(seconds - overlap * window, seconds * (1 - overlap))
 
 
 def estimate_time(
@@ -95,64 +95,89 @@ def estimate_time(
     blocks = rank_blocks(shape, p)
     smallest = min(tokens_mb, max(shape.d_model // t, 1))
     rate = peak * eff.compute * smallest / (smallest + eff.matmul_half)
+    # A fused causal attention kernel executes half the FLOPs MFU counts, at its own rate; without one
+    # (``attention`` 0) the full product runs as plain matmuls.
+    if eff.attention:
+        attention_rate, executed = peak * eff.attention * (s / (s + eff.attention_half) if eff.attention_half else 1.0), 0.5
+    else:
+        attention_rate, executed = rate, 1.0
 
-    block_flops = shape.block_flops_per_token(s) * tokens_mb / t
-    stage_flops = blocks * block_flops + shape.head_flops_per_token() * tokens_mb / t
+    attention_flops = shape.attention_flops_per_token(s) * tokens_mb / t
+    gemm_flops = shape.block_flops_per_token(s) * tokens_mb / t - attention_flops
+    block_time = gemm_flops / rate + attention_flops * executed / attention_rate
     recomputed = candidate.checkpointed_blocks(blocks)
-    compute = stage_flops / rate
-    recompute = recomputed * block_flops / 3 / rate
+    compute = (blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t) / rate
+    attention = blocks * attention_flops * executed / attention_rate
+    recompute = recomputed * block_time / 3
+    # Memory-bound operators: norms, residual adds, activations, head-major copies, the loss's softmax.
+    hbm = cluster.device.memory_bandwidth * eff.memory
+    mixed = fsdp_mixed_precision(workload, candidate)
+    residual = a if mixed or pbytes == a else 4
+    # Split over tensor parallelism (the norms' and residuals' only under sequence parallelism: the
+    # difference is small beside the heads' and the MLP's); the loss's over the vocabulary-parallel head.
+    block_bytes = shape.elementwise_bytes_per_token(a, residual) / t * tokens_mb
+    elementwise = eff.elementwise * ((blocks + recomputed / 3) * block_bytes + shape.loss_bytes_per_token(a) / t * tokens_mb) / hbm
 
     # A collective's step waits for every member to run: processes sharing cores wait their turn too.
     slowdown = cluster.device.slowdown
-    lag = eff.latency * slowdown
     issued = eff.collective_overhead * slowdown  # per collective DTensor or FSDP issues
     framework = eff.framework_collectives  # DTensor's and FSDP2's collectives, against the link's time
-    tp_link = cluster.link(t)
     tp_bytes = tokens_mb * shape.d_model * a
     # Per block, forward and backward: four all-reduces, or under sequence parallelism eight all-gathers
     # and reduce-scatters of the same bytes; a recomputed forward half as many again; the vocabulary-
     # parallel embedding and loss a few small ones per micro-batch.
-    sp = 2 if candidate.sequence_parallel else 1
-    tp_collectives = sp * (4 * blocks + 2 * recomputed) + 4
-    tp_time = framework * _ring(t, (4 * blocks + 2 * recomputed + 1) * tp_bytes, 2, eff.link(cluster, tp_link),
-                                tp_link.latency * lag, tp_collectives)  # fmt: skip
+    sp_messages = 2 if candidate.sequence_parallel else 1
+    tp_collectives = sp_messages * (4 * blocks + 2 * recomputed) + 4
+    tp_time = framework * collective_time(cluster, eff, "all_reduce", (4 * blocks + 2 * recomputed + 1) * tp_bytes, t, 1,
+                                          tp_collectives)  # fmt: skip
     tp_time += tp_collectives * issued if t > 1 else 0.0
+    tp_time = _exposed(tp_time, compute, eff.tp_overlap)
 
     p2p = 0.0
     if p > 1:
-        pp_link = cluster.link(t * p)
+        bandwidth, latency = point_to_point_bandwidth(cluster, eff, placement(cluster, p, t).nodes > 1)
         width = shape.d_model / (t if candidate.sequence_parallel else 1)
         # Each of the rank's stages (several under interleaved and V-shaped schedules) receives its input
         # and sends its output, forward and backward.
         sends = 2 * candidate.stages_per_rank
-        p2p = sends * (tokens_mb * width * a / eff.link(cluster, pp_link) + pp_link.latency * lag)
+        p2p = sends * (tokens_mb * width * a / bandwidth + latency)
 
     # A recomputed forward runs the block's operators again: a third of its FLOPs, and the forward's share
     # of its fixed cost.
     overhead = (blocks + eff.forward_overhead * recomputed) * eff.overhead * slowdown
-    per_mb = compute + recompute + tp_time + p2p + overhead
+    per_mb = compute + attention + elementwise + recompute + tp_time + p2p + overhead
     bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
     pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
 
     params_rank = blocks * shape.block_parameters / t + (shape.embedding_parameters + shape.head_parameters) / t
     dp_time = 0.0
+    dp_inputs: dict[str, float] = {}
     if d > 1:
-        dp_link = cluster.link(candidate.world_size)
-        bw, latency = eff.link(cluster, dp_link), dp_link.latency * lag
-        grads = params_rank * gbytes
+        stride = t * p
+        grads = params_rank * gbytes  # reduced in fp32 (FSDP2's reduce dtype under mixed precision)
+        backward = per_mb * 2 / 3  # the last micro-batch's backward: where the gradients are reduced
         if candidate.dp_mode == "ddp":  # DDP's buckets: one flat buffer each, reduced from C++
-            dp_time = _ring(d, grads, 2, bw, latency, max(1, math.ceil(grads / _DDP_BUCKET)))
-            window = per_mb * 2 / 3  # the last micro-batch's backward, where the gradients are reduced
+            reduce = collective_time(cluster, eff, "all_reduce", grads, d, stride, max(1, math.ceil(grads / _DDP_BUCKET)))
+            dp_time = _exposed(reduce, backward, eff.dp_overlap)
+            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": 0.0}
         else:
-            # One all-gather and one reduce-scatter per sharded unit (each block, and the root's rest).
+            # One all-gather and one reduce-scatter per sharded unit (each block, and the root's rest);
+            # FSDP2 gathers in the compute dtype under mixed precision.
             shard, units = (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else d), blocks + 1
-            gathers = 1 if candidate.dp_mode == "fsdp_grad_op" else 2 * m
-            dp_time = gathers * _ring(shard, params_rank * pbytes, 1, bw, latency, units) + _ring(shard, grads, 1, bw, latency, units)
+            # fsdp: a gather for each micro-batch's forward and backward; fsdp_grad_op keeps the forward's
+            # for the backward, and under a pipeline every mode gathers once for all the micro-batches.
+            gathers = 1 if p > 1 else (m if candidate.dp_mode == "fsdp_grad_op" else 2 * m)
+            gathered = params_rank * (a if mixed else pbytes)
+            gather = gathers * collective_time(cluster, eff, "all_gather", gathered, shard, stride, units)
+            reduce = collective_time(cluster, eff, "reduce_scatter", grads, shard, stride, units)
             if candidate.dp_mode == "hsdp" and d > shard:
-                dp_time += _ring(d // shard, grads / shard, 2, bw, latency, units)
-            dp_time = framework * dp_time + (gathers + 1) * units * issued
-            window = m * per_mb
-        dp_time = max(dp_time - eff.dp_overlap * window, dp_time * (1 - eff.dp_overlap))
+                reduce += collective_time(cluster, eff, "all_reduce", grads / shard, d // shard, stride * shard, units)
+            gather, reduce = framework * gather + gathers * units * issued, framework * reduce + units * issued
+            # Gathers are prefetched behind the passes they serve (every micro-batch's forward, and backward
+            # under fsdp; the first forward under a pipeline); the reduction only behind the last backward.
+            window = per_mb / 3 if p > 1 else (m * per_mb / 3 if candidate.dp_mode == "fsdp_grad_op" else m * per_mb)
+            dp_time = _exposed(gather, window, eff.dp_overlap) + _exposed(reduce, backward, eff.dp_overlap)
+            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": gather}
 
     states = OPTIMIZERS[workload.optimizer]
     o_shard = d if candidate.dp_mode in ("fsdp", "fsdp_grad_op") else (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else 1)
@@ -165,6 +190,8 @@ def estimate_time(
     # On a device of its own (a GPU: ``slowdown`` 1) nothing changes.
     terms = {
         "compute": m * compute,
+        "attention": m * attention,
+        "elementwise": m * elementwise,
         "recompute": m * recompute,
         "tensor_parallel": m * tp_time,
         "pipeline_transfers": m * p2p,
@@ -175,6 +202,6 @@ def estimate_time(
     }
     model_flops = shape.flops_per_token(s) * workload.tokens
     hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
-    inputs = {"peak_flops": peak, "matmul_rate": rate, "microbatches": m, "bubble_fraction": bubble,
-              "slowdown": slowdown}
+    inputs = {"peak_flops": peak, "matmul_rate": rate, "attention_rate": attention_rate, "memory_bandwidth": hbm,
+              "microbatches": m, "bubble_fraction": bubble, "slowdown": slowdown, **dp_inputs}  # fmt: skip
     return TimeEstimate(terms, model_flops, hardware_flops, inputs)
