@@ -1,29 +1,40 @@
 """Time of one optimizer step, term by term. No Lightning.
 
-For the critical pipeline rank (the one with the most blocks, the head's FLOPs on the last):
+For the critical pipeline rank (the one with the most blocks, the head's FLOPs on the last), each
+operation at its own rate:
 
-- ``compute``: the rank's training FLOPs (``6 n + 12 H Q T`` per token and block, the head's ``6 V d``
-  on the last stage; :meth:`~lightning_scale.core.planner.shape.ModelShape.block_flops_per_token`)
-  divided by ``tp``, at the device's peak for the compute dtype times :attr:`Efficiency.compute`,
+- ``compute``: the rank's GEMM FLOPs (``6 n`` per token and block, the head's ``6 V d`` on the last
+  stage) divided by ``tp``, at the device's peak for the compute dtype times :attr:`Efficiency.compute`,
   scaled down for small matmuls (``n / (n + matmul_half)``, ``n`` the smallest GEMM dimension);
+- ``attention``: the ``12 H Q T`` per token and block that MFU counts
+  (:meth:`~lightning_scale.core.planner.shape.ModelShape.attention_flops_per_token`); a fused causal
+  kernel executes half of it at :attr:`Efficiency.attention` of the peak (less for short sequences:
+  ``T / (T + attention_half)``); without one (``attention`` 0) the whole product runs at the GEMM rate;
+- ``elementwise``: the eager operators' bytes (norms, residual adds, activations, rotary, head-major
+  copies, the loss's softmax; :meth:`~lightning_scale.core.planner.shape.ModelShape.elementwise_bytes_per_token`)
+  times :attr:`Efficiency.elementwise`, at :attr:`Efficiency.memory` of the device's memory bandwidth;
 - ``recompute``: the forwards activation checkpointing runs again in the backward (a third of the
-  checkpointed blocks' FLOPs; their forward's share of the fixed cost is in ``overhead``);
+  checkpointed blocks' GEMMs, attention and traffic; their forward's share of the fixed cost is in ``overhead``);
 - ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
   plus reduce-scatter under sequence parallelism: the same bytes in twice the messages) of the block's
   activations, two more per recomputed block, and the vocabulary-parallel embedding's and loss's few,
-  over the link the ``tp`` group spans, taking :attr:`Efficiency.framework_collectives` times the link's
-  time and each also paying :attr:`Efficiency.collective_overhead` (DTensor issues them from Python);
+  taking :attr:`Efficiency.framework_collectives` times the link's time and each also paying
+  :attr:`Efficiency.collective_overhead` (DTensor issues them from Python); at most
+  :attr:`Efficiency.tp_overlap` of it hidden behind the GEMMs;
 - ``pipeline_transfers``: per micro-batch and stage of the rank (several under interleaved schedules) one
-  activation forward and one gradient backward between neighbouring stages;
+  activation forward and one gradient backward between neighbouring stages, over NVLink or, when the
+  pipeline leaves the node, the device's share of the node's NICs;
 - ``bubble``: the schedule's idle share (:func:`~lightning_scale.core.pipeline.partition.bubble_fraction`,
   the figure ``pipeline/bubble_predicted`` logs) of the pipeline's time; on a host whose processes
   outnumber its cores (``slowdown`` > 1) divided by ``slowdown``: while some stages wait, the others'
   processes have the idle cores and run that much faster;
-- ``data_parallel``: the gradient all-reduce (``ddp``: one per 25 MiB bucket), or the parameter
-  all-gathers of each micro-batch's forward and backward and the gradients' reduce-scatter, one of
-  each per sharded unit (``fsdp``; ``fsdp_grad_op`` gathers once; FSDP2's, issued from Python, take
-  :attr:`Efficiency.framework_collectives` times the link's time and each pays
-  :attr:`Efficiency.collective_overhead`), less the share hidden behind the compute (:attr:`Efficiency.dp_overlap`);
+- ``data_parallel``: the gradient all-reduce (``ddp``: one per 25 MiB bucket) behind the last
+  micro-batch's backward; or FSDP2's parameter all-gathers, one per sharded unit, in the compute dtype
+  under mixed precision (``fsdp``: each micro-batch's forward and backward; ``fsdp_grad_op``: each
+  forward; under a pipeline once a step), prefetched behind the passes they serve, and the gradients'
+  reduce-scatter in fp32 behind the last backward (``hsdp``: and the all-reduce between replicas);
+  FSDP2's, issued from Python, take :attr:`Efficiency.framework_collectives` times the link's time and
+  each pays :attr:`Efficiency.collective_overhead`; at most :attr:`Efficiency.dp_overlap` of each hidden;
 - ``overhead``: per block and micro-batch, what is neither FLOPs nor bytes (kernel launches, the
   framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), and the forward's share
   (:attr:`Efficiency.forward_overhead`) again per recomputed block, times the device's ``slowdown``
@@ -31,10 +42,9 @@ For the critical pipeline rank (the one with the most blocks, the head's FLOPs o
 - ``optimizer``: the update's memory traffic (parameters, gradients and states read, parameters
   and states written) at the device's memory bandwidth.
 
-A ring collective over ``n`` devices moves ``2 (n - 1) / n`` times the buffer per device for an
-all-reduce and ``(n - 1) / n`` for an all-gather or reduce-scatter, plus ``n - 1`` latency steps each
-(the link's latency times :attr:`Efficiency.latency`; on a CPU both the bytes and the latency slow down
-with the device's ``slowdown``).
+Collectives are timed hierarchically over the group's placement in the cluster
+(:mod:`~lightning_scale.core.planner.collectives`): within a node over its link, across nodes over every
+NIC of the node.
 """
 
 from __future__ import annotations
