@@ -389,7 +389,10 @@ def test_the_plan_app_ranks_explains_and_writes_its_records(
     rows = doc["layouts"]
     assert doc["inputs"]["devices"] == 16 and len(rows) > 100
     fitting = [r for r in rows if r["fits"]]
-    assert rows[: len(fitting)] == fitting and fitting[0]["layout"] in out.splitlines()[3]  # the table's first row
+    first_row = next(line for line in out.splitlines() if line.startswith("  1  "))
+    assert rows[: len(fitting)] == fitting and fitting[0]["layout"] in first_row  # the table's first row
+    # The price it used, and the offers plan.price= can name instead.
+    assert "  price: $3.431 per device-hour (AWS p4de.24xlarge" in out and "aws-p4de.24xlarge, lambda-gpu_8x_a100_80gb_sxm4" in out
     assert [r["tokens_per_sec"] for r in fitting] == sorted((r["tokens_per_sec"] for r in fitting), reverse=True)
     for r in rows[:5]:
         assert r["memory_per_device_gib"] == pytest.approx(sum(r["memory_terms"].values()) / 2**30)
@@ -399,8 +402,21 @@ def test_the_plan_app_ranks_explains_and_writes_its_records(
 
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "--explain", fitting[0]["layout"])
     assert status == 0
-    for term in (*rows[0]["memory_terms"], *rows[0]["time_terms"], "inputs: microbatches="):
+    for term in (*rows[0]["memory_terms"], *rows[0]["time_terms"], "from: microbatches=", "gemm_rate=", "attention_rate="):
         assert term in out, term
+    # A data-parallel group over both nodes: its placement, the link that limits it, its bandwidth, the overlap.
+    spread = next(r["layout"] for r in rows if r["layout"].startswith(("dp16", "fsdp16")) and r["time_terms"]["data_parallel"] > 0)
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "--explain", spread)
+    assert re.search(r"from: mode=\w+, group=16, per_node=8, nodes=2, link=ib-hdr x 8 NIC\(s\) per node, bus_bandwidth=[\d.]+ GB/s, .*overlap=0.8", out), out
+    # Another offer by name, or dollars; an unknown name is refused naming the device's offers.
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "plan.price=lambda-gpu_8x_a100_80gb_sxm4")
+    assert status == 0 and "price: $2.790 per device-hour (Lambda" in out
+    lambda_rows = json.loads((tmp_path / "plan.json").read_text())["layouts"]
+    assert lambda_rows[0]["usd_per_million_tokens"] == pytest.approx(rows[0]["usd_per_million_tokens"] * 22.32 / 27.44705)
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "plan.price=2.5")
+    assert status == 0 and "price: $2.500 per device-hour" in out
+    status, _, err = plan_cli(monkeypatch, capsys, *run, "plan.price=gcp-a2")
+    assert status == 2 and re.search(r"plan.price='gcp-a2' is not an offer .* \(offers: 'aws-p4de.24xlarge', 'lambda-", err), err
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--explain", "dp3-tp5-pp7-mb1")
     assert status == 2 and "no layout named 'dp3-tp5-pp7-mb1'; the best are: " in err
 
@@ -458,7 +474,23 @@ def test_the_plan_app_sizes_a_model_for_a_budget(
     assert "compute-optimal for" in out and f"nearest preset model={sizing['preset']}" in out
     assert sizing["hours"] == 24 and sizing["fits"] and sizing["usd"] == pytest.approx(24 * 64 * 55.04 / 8)
     assert sizing["optimal_tokens"] * sizing["optimal_parameters"] * 6 == pytest.approx(sizing["budget_flops"])
+    # The answer alone: no table of the config's default model first.
+    assert "what a budget buys on 64 x H100 SXM 80GB" in out and "tokens/s" not in out and "  1  " not in out
+    status, out, _ = plan_cli(monkeypatch, capsys, *run, "--budget-usd", "10000", "plan.price=lambda-gpu_8x_h100_sxm5")
+    cheaper = json.loads((tmp_path / "plan.json").read_text())["sizing"]
+    assert status == 0 and cheaper["usd"] == pytest.approx(10000) and cheaper["hours"] == pytest.approx(10000 / (64 * 31.92 / 8), rel=1e-6)
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--law", "kaplan")
     assert status == 2 and "plan.law='kaplan' is not a law the planner knows" in err
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--budget-usd", "5")
     assert status == 2 and "Give exactly one budget" in err
+
+
+def test_the_plan_apps_help_says_what_it_does_with_its_options_and_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_scale.cli.plan import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("usage: lightning-scale-plan", "ranked by predicted tokens/s", "--explain LAYOUT", "--budget-usd",
+                   "calibrate RUN_DIR", "plan.price=OFFER|DOLLARS", "example:", "docs/planner.md"):
+        assert needle in out, needle
+    assert "Hydra" in out and "_target_" not in out  # not Hydra's config dump

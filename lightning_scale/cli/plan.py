@@ -6,7 +6,8 @@ name::
 
     lightning-scale-plan model=7b data.global_batch_size=512 data.seq_len=4096 precision=bf16 \\
         cluster=h100-sxm cluster.nodes=8
-    lightning-scale-plan model=7b cluster=h100-sxm --explain fsdp64-tp1-pp1-mb2-ac
+    lightning-scale-plan model=7b data.global_batch_size=512 data.seq_len=4096 precision=bf16 \\
+        cluster=h100-sxm cluster.nodes=8 --explain fsdp64-tp1-pp1-mb2
 
 It prints the ranked table (fits, memory per device, step time, tokens/s, MFU, $ per million tokens,
 hours and $ to ``plan.token_budget``), writes ``plan.json`` (every layout with every term) and
@@ -28,18 +29,43 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_scale.cli.plan_sizing import describe, law_named, size_for_budget
+from lightning_scale.core.checks import format_choices
 from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, model_shape, plan
 from lightning_scale.core.planner.calibration import calibrated
+from lightning_scale.core.telemetry.cost import OFFERS, Price
 
-__all__ = ["explain", "main", "plan_from_config", "table"]
+__all__ = ["HELP", "explain", "main", "offer_name", "plan_from_config", "table"]
 
 GiB = 2**30
+
+
+def offer_name(offer: Price) -> str:
+    """An offer's name for ``plan.price=``: its provider and instance (``aws-p5.48xlarge``)."""
+    return offer.offer.split(",")[0].strip().lower().replace(" ", "-")
+
+
+def _priced(system: Cluster, price: Any) -> Cluster:
+    """``system`` with the offer ``plan.price`` names (None: the device's default; a number: $ per device-hour)."""
+    if price is None:
+        return system
+    offers = OFFERS.get(system.device.price_key or "", ())
+    if isinstance(price, (int, float)) and not isinstance(price, bool):
+        if price <= 0:
+            raise ValueError(f"plan.price={price!r}: a price is a positive number of dollars per device-hour, or an offer's name.")
+        return replace(system, price=Price(system.device.price_key or system.device.name, float(price), "plan.price", "-", "given"))
+    named = {offer_name(o): o for o in offers}
+    if str(price) not in named:
+        known = format_choices(named) if named else f"none for {system.device.name}"
+        raise ValueError(f"plan.price={price!r} is not an offer of the price table for {system.device.name} (offers: {known}); "
+                         "or give dollars per device-hour (plan.price=4.5).")  # fmt: skip
+    return replace(system, price=named[str(price)])
 
 
 def _setup(cfg: DictConfig) -> tuple[ModelShape, Workload, Cluster]:
@@ -50,7 +76,8 @@ def _setup(cfg: DictConfig) -> tuple[ModelShape, Workload, Cluster]:
     c = cfg.cluster
     devices = c.devices_per_node if c.devices_per_node is not None else cfg.trainer.devices
     nodes = c.nodes if c.nodes is not None else cfg.trainer.num_nodes
-    return model_shape(model), workload, calibrated(cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices)))
+    system = calibrated(cluster(str(c.name), nodes=int(nodes), devices_per_node=int(devices)))
+    return model_shape(model), workload, _priced(system, cfg.plan.get("price"))
 
 
 def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
@@ -63,8 +90,18 @@ def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
         "devices": system.world_size, "device_memory": system.device.memory, "devices_per_node": system.devices_per_node, "nodes": system.nodes,
         "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
         "efficiency": system.efficiency.source, "headroom": float(cfg.plan.headroom), "token_budget": budget,
+        "price": _price_line(system),
     }  # fmt: skip
     return ranked, inputs
+
+
+def _price_line(system: Cluster) -> str:
+    price = system.device_price()
+    if price is None:
+        return f"no price for {system.device.name} (plan.price=DOLLARS_PER_DEVICE_HOUR)"
+    offers = [offer_name(o) for o in OFFERS.get(system.device.price_key or "", ())]
+    others = f"; plan.price= one of {', '.join(offers)}" if len(offers) > 1 else ""
+    return f"${price.usd_per_device_hour:.3f} per device-hour ({price.offer}, {price.date}{others})"
 
 
 def _money(value: float | None) -> str:
@@ -83,8 +120,26 @@ def table(ranked: Sequence[Estimate], top: int) -> str:
     return "\n".join(lines)
 
 
+def _value(key: str, value: object) -> str:
+    if isinstance(value, str):
+        return value
+    number = float(value)  # type: ignore[arg-type]
+    if key.endswith("bytes") or key.startswith("bytes") or "_bytes_" in key:
+        return f"{number / GiB:.4g} GiB"
+    if "bandwidth" in key:
+        return f"{number / 1e9:.4g} GB/s"
+    if key.endswith("rate") or key == "peak_flops":
+        return f"{number / 1e12:.4g} TFLOP/s"
+    if key.endswith("flops") or "flops_" in key:
+        return f"{number:.4g} FLOP"
+    if key.endswith("_s"):
+        return f"{number:.4g} s"
+    return f"{number:.4g}"
+
+
 def explain(estimate: Estimate) -> str:
-    """Every memory and time term of one layout, with the inputs they were computed from."""
+    """Every memory and time term of one layout, each with the inputs it was computed from (bytes moved,
+    which link and at what achieved bandwidth, the rates, the overlap assumed, the micro-batches in flight)."""
     c = estimate.candidate
     lines = [f"{estimate.name}: dp={c.dp} ({c.dp_mode}) x tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} "
              f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
@@ -92,9 +147,14 @@ def explain(estimate: Estimate) -> str:
     lines.append(f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "
                  f"({'fits' if estimate.fits else 'does not fit'})")  # fmt: skip
     lines += [f"  {k:18s} {v / GiB:10.3f} GiB" for k, v in estimate.memory.terms.items()]
-    lines.append(f"step time: {estimate.time.step_time:.4f} s")
-    lines += [f"  {k:18s} {v:10.4f} s" for k, v in estimate.time.terms.items()]
-    lines.append("inputs: " + ", ".join(f"{k}={v:.4g}" for k, v in {**estimate.memory.inputs, **estimate.time.inputs}.items()))
+    lines.append("  from: " + ", ".join(f"{k}={_value(k, v)}" for k, v in estimate.memory.inputs.items()))
+    lines.append(f"step time: {estimate.time.step_time:.4f} s (peak {_value('peak_flops', estimate.time.inputs['peak_flops'])} "
+                 "per device)")  # fmt: skip
+    for term, seconds in estimate.time.terms.items():
+        lines.append(f"  {term:18s} {seconds:10.4f} s")
+        detail = estimate.time.details.get(term)
+        if detail and seconds > 0:
+            lines.append("      from: " + ", ".join(f"{k}={_value(k, v)}" for k, v in detail.items()))
     lines.append(f"tokens/s {estimate.tokens_per_sec:,.0f}, MFU {estimate.mfu:.1%}, "
                  f"$ per million tokens {_money(estimate.usd_per_million_tokens)}")  # fmt: skip
     return "\n".join(lines)
@@ -152,9 +212,26 @@ def run(cfg: DictConfig) -> int:
     ranked, inputs = plan_from_config(cfg)
     out = Path(str(cfg.plan.out))
     out.mkdir(parents=True, exist_ok=True)
+    budgets = {k: cfg.plan.get(f"budget_{k}") for k in ("usd", "hours", "flops")}
+    doc: dict[str, Any] = {"inputs": inputs}
+    if any(v is not None for v in budgets.values()) and not cfg.plan.explain:
+        # A budget query: the model and tokens it buys, and their best layout (not a table of the config's model).
+        _, workload, system = _setup(cfg)
+        law = law_named(str(cfg.plan.law), list(cfg.plan.fit_studies or []))
+        print(f"lightning-scale-plan: what a budget buys on {system.world_size} x {system.device.name} "
+              f"({system.nodes} node(s)), global batch {workload.global_batch} x {workload.seq_len} tokens, {workload.precision}; "
+              f"price {inputs['price']}")  # fmt: skip
+        doc["sizing"] = size_for_budget(law, system, workload, **{k: float(v) for k, v in budgets.items() if v is not None})
+        print(describe(doc["sizing"]))
+        (out / "plan.json").write_text(json.dumps(doc, indent=1))
+        print(f"lightning-scale-plan: wrote {out / 'plan.json'}")
+        return 0
+    fits = sum(e.fits for e in ranked)
     print(f"lightning-scale-plan: {inputs['model']} ({inputs['parameters'] / 1e9:.3g}B parameters) on {inputs['devices']} x "
           f"{inputs['device']} ({inputs['nodes']} node(s)), global batch {inputs['global_batch']} x {inputs['seq_len']} tokens, "
-          f"{inputs['precision']}; {len(ranked)} layouts; efficiency: {inputs['efficiency']}")  # fmt: skip
+          f"{inputs['precision']}; {len(ranked)} layouts, {fits} fit")  # fmt: skip
+    print(f"  price: {inputs['price']}")
+    print(f"  efficiency: {inputs['efficiency'].split(': ', 1)[0]} (--explain LAYOUT: every term and its inputs)")
     if cfg.plan.explain:
         chosen = [e for e in ranked if e.name == cfg.plan.explain]
         if not chosen:
@@ -166,13 +243,6 @@ def run(cfg: DictConfig) -> int:
         print(table(ranked, int(cfg.plan.top)))
     if not ranked[0].fits:
         print(_no_fit(ranked, inputs["device_memory"], inputs["headroom"]))
-    doc: dict[str, Any] = {"inputs": inputs}
-    budgets = {k: cfg.plan.get(f"budget_{k}") for k in ("usd", "hours", "flops")}
-    if any(v is not None for v in budgets.values()):
-        _, workload, system = _setup(cfg)
-        law = law_named(str(cfg.plan.law), list(cfg.plan.fit_studies or []))
-        doc["sizing"] = size_for_budget(law, system, workload, **{k: float(v) for k, v in budgets.items() if v is not None})
-        print(describe(doc["sizing"]))
     doc["layouts"] = [{**e.row(), "memory_terms": e.memory.terms, "time_terms": e.time.terms} for e in ranked]
     (out / "plan.json").write_text(json.dumps(doc, indent=1))
     _plot(ranked, out / "plan.png")
@@ -198,10 +268,50 @@ def _hydra_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+HELP = """usage: lightning-scale-plan [KEY=VALUE ...] [--explain LAYOUT] [--budget-usd X | --budget-hours X | --budget-flops X]
+       lightning-scale-plan calibrate RUN_DIR... [--fit FACTORS] [--store FILE]
+
+Every layout of your model on a cluster (data x tensor x pipeline sizes, FSDP mode, pipeline schedule,
+micro-batch, activation checkpointing) ranked by predicted tokens/s, with memory per device, step time,
+MFU and dollars, before a GPU is spent. The config is lightning-scale-train's (model, data, precision,
+trainer) plus a cluster; layouts that fit are listed first, fastest first. Writes plan.json (every layout,
+every term) and plan.png (cost against time; memory against step time) to plan.out.
+
+options:
+  -h, --help            this text (--hydra-help: Hydra's own)
+  --explain LAYOUT      every memory and time term of one layout with its inputs (bytes moved, link and
+                        achieved bandwidth, rates, overlap assumed, micro-batches in flight)
+  --budget-usd X, --budget-hours X, --budget-flops X
+                        what a budget buys: the compute-optimal model and tokens (--law besiroglu2024 |
+                        hoffmann2022 | fit, with plan.fit_studies=[DIR,...]), its best layout, hours and $
+  calibrate RUN_DIR...  fit this system's efficiency factors to finished runs (their results.json), store
+                        them; later plans use them (lightning-scale-plan calibrate --help)
+
+keys (KEY=VALUE, Hydra overrides):
+  model=PRESET                  tiny, small, gpt2-124m, 350m, 1.3b, 7b
+  data.global_batch_size=N data.seq_len=N precision=fp32|bf16|bf16_true|fp16
+  cluster=NAME                  h100-sxm, h200-sxm, a100-sxm-80, a100-sxm-40, l4-pcie, l40s-pcie, cpu
+  cluster.nodes=N cluster.devices_per_node=N
+  plan.price=OFFER|DOLLARS      an offer of the price table (the header lists the device's) or $ per device-hour
+  plan.token_budget=TOKENS      hours and $ to train on that many tokens
+  plan.headroom=0.1 plan.top=20 plan.out=DIR
+
+example:
+  lightning-scale-plan model=7b data.global_batch_size=512 data.seq_len=4096 precision=bf16 \\
+      cluster=h100-sxm cluster.nodes=8 plan.token_budget=1e11 plan.price=lambda-gpu_8x_h100_sxm5
+  lightning-scale-plan model=7b data.global_batch_size=512 data.seq_len=4096 precision=bf16 \\
+      cluster=h100-sxm cluster.nodes=8 --explain fsdp64-tp1-pp1-mb2
+
+The physics, each constant's source and the model's limits: docs/planner.md."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import hydra
 
     given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] and given[0] in ("-h", "--help"):
+        print(HELP)
+        return 0
     if given[:1] == ["calibrate"]:
         from lightning_scale.cli.plan_calibrate import main as calibrate
 

@@ -20,7 +20,6 @@ from typing import Any
 from lightning_scale.core.checks import format_choices
 from lightning_scale.core.planner import Cluster, Workload, model_shape, plan
 from lightning_scale.core.planner.sizing import LAWS, ScalingLaw, fit_law
-from lightning_scale.core.telemetry.cost import PRICES
 from lightning_scale.models import PRESETS
 
 __all__ = ["describe", "law_named", "runs_of_studies", "size_for_budget"]
@@ -62,7 +61,7 @@ def size_for_budget(
     if len(given) != 1:
         raise ValueError(f"Give exactly one budget (--budget-usd, --budget-hours or --budget-flops); got {given or 'none'}.")
     peak = system.device.peak(workload.compute_dtype)
-    price = PRICES.get(system.device.price_key or "")
+    price = system.device_price()
     if usd is not None and price is None:
         raise ValueError(f"No price for {system.device.name}: give --budget-hours or --budget-flops instead of dollars.")
     mfu, out = 0.4, {}

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
+from lightning_scale.core.telemetry.cost import PRICES as PRICES_BY_KEY
+from lightning_scale.core.telemetry.cost import Price
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
 __all__ = ["A100_FLASH", "CLUSTERS", "DEVICES", "HOPPER", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster",
@@ -162,7 +164,8 @@ class Efficiency:
 
 A100_MEGATRON = Efficiency(
     compute=0.6, matmul_half=64.0, intra_link=0.78, inter_link=0.78, dp_overlap=0.0,
-    source="links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 of 300 GB/s); no data-parallel overlap "
+    source="A100 defaults (Megatron-LM), not calibrated: links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 "
+    "of 300 GB/s); no data-parallel overlap "
     "(Megatron-LM reduced its gradients after the backward until 2023); compute and matmul_half fitted on a grid "
     "to the 10 rows of Narayanan et al. 2021, Table 1 (lightning_scale.core.planner.published): Megatron-LM on "
     "DGX A100",
@@ -183,12 +186,18 @@ class Cluster:
     """What this system achieves of its nominal rates (defaults until calibrated)."""
     nics_per_node: int = 1
     """The node's ports on the ``inter`` link (a DGX: one NIC per GPU; Ethernet hosts: usually one)."""
+    price: Price | None = None
+    """The offer a plan prices with (None: the device's default offer in the price table)."""
 
     def __post_init__(self) -> None:
         check_positive_int("devices_per_node", self.devices_per_node, fix="It is the devices of one node.")
         check_positive_int("nodes", self.nodes, fix="It is the number of nodes.")
         check_positive_int("nics_per_node", self.nics_per_node, fix="It is the NICs of one node on the inter-node link.")
         check_positive_number("device memory", self.device.memory)
+
+    def device_price(self) -> Price | None:
+        """The price a plan uses: :attr:`price`, else the table's default for the device (None: no row)."""
+        return self.price or PRICES_BY_KEY.get(self.device.price_key or "")
 
     @property
     def nic_share(self) -> float:
@@ -214,17 +223,17 @@ class Cluster:
 HOPPER = Efficiency(
     compute=0.7, matmul_half=256.0, attention=0.343, attention_half=576.0, elementwise=1.0, memory=0.8,
     intra_link=0.7, inter_link=0.85,
-    source="defaults from published kernel and collective benchmarks (docs/planner.md, Constants): attention "
-    "from FlashAttention-2 on H100 (causal, head dim 128, forward and backward: 265 TFLOP/s at 2k, 328 at 16k); "
-    "inter-node from nccl-tests (~350 GB/s bus bandwidth on nodes of 8 H200s with 8 NDR NICs); GEMMs at 0.6 of "
-    "the datasheet peak in a training step (see docs/planner.md: 0.8 is the best single-GEMM rate, sustained "
-    "clocks and shapes cost the rest); not calibrated",
+    source="H100/H200 defaults, not calibrated: attention from FlashAttention-2 on H100 (causal, head dim 128, "
+    "forward and backward: 265 TFLOP/s at 2k, 328 at 16k); inter-node from nccl-tests (~350 GB/s bus bandwidth "
+    "on nodes of 8 H200s with 8 NDR NICs); GEMM size from XLA's H100 table; the GEMM rate (0.7 of the peak) "
+    "fitted to Megatron-Core's H100 weak-scaling table (docs/planner.md, Constants)",
 )
 """H100/H200 systems before calibration."""
 A100_FLASH = dataclasses.replace(
-    A100_MEGATRON, attention=0.625, attention_half=530.0, elementwise=1.0, memory=0.8,
-    source=A100_MEGATRON.source + "; attention from FlashAttention-2 on A100 (causal, head dim 128, forward and "
-    "backward: 155 TFLOP/s at 2k, 189 at 16k), elementwise traffic at 0.8 of HBM",
+    A100_MEGATRON, attention=0.625, attention_half=530.0, elementwise=1.0, memory=0.8, dp_overlap=Efficiency.dp_overlap,
+    source="A100 defaults (flash attention), not calibrated: " + A100_MEGATRON.source.split(": ", 1)[1]
+    + "; attention from FlashAttention-2 on A100 (causal, head dim 128, forward and backward: 155 TFLOP/s at 2k, "
+    "189 at 16k), eager elementwise traffic at 0.8 of HBM; data-parallel communication overlapped as DDP and FSDP2 do",
 )
 """A100 systems: Megatron's fitted GEMM and link constants, attention and eager elementwise traffic from kernel
 benchmarks."""
@@ -293,7 +302,7 @@ def _host_memory() -> float:
 
 CPU_EFFICIENCY = Efficiency(
     compute=1.0, matmul_half=16.0, intra_link=1.0, inter_link=1.0, dp_overlap=0.0, memory=1.0, overhead=0.0,
-    source="CPU defaults: the measured matmul rate, gloo's measured bandwidth and latency, no overlap (gloo runs in "
+    source="CPU defaults, not calibrated: the measured matmul rate, gloo's measured bandwidth and latency, no overlap (gloo runs in "
     "the training thread's turn); calibrate to fit this host",
 )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from lightning_scale.core.planner.cluster import Cluster, Efficiency
 
-__all__ = ["Placement", "collective_time", "placement", "point_to_point_bandwidth"]
+__all__ = ["Placement", "collective_time", "describe_group", "placement", "point_to_point_bandwidth"]
 
 KINDS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 """Bytes moved per device in units of ``(n - 1) / n`` of the buffer, per collective kind."""
@@ -78,3 +78,16 @@ def point_to_point_bandwidth(cluster: Cluster, eff: Efficiency, crosses_nodes: b
     if crosses_nodes:
         return cluster.nic_share * eff.inter_link / cluster.device.slowdown, cluster.inter.latency * lag
     return cluster.intra.bandwidth * eff.intra_link / cluster.device.slowdown, cluster.intra.latency * lag
+
+
+def describe_group(cluster: Cluster, eff: Efficiency, size: int, stride: int) -> dict[str, float | str]:
+    """What a group's collectives run over, for ``--explain``: its members per node, its nodes, the link
+    that limits it and the achieved bus bandwidth (bytes/s per device)."""
+    where = placement(cluster, size, stride)
+    bandwidth = _bus_bandwidth(cluster, eff, where)
+    if where.nodes == 1:
+        link = cluster.intra.name
+    else:
+        nics = where.per_node * cluster.nics_per_node / cluster.devices_per_node
+        link = f"{cluster.inter.name} x {nics:g} NIC(s) per node" if bandwidth < cluster.intra.bandwidth * eff.intra_link else cluster.intra.name
+    return {"group": size, "per_node": where.per_node, "nodes": where.nodes, "link": link, "bus_bandwidth": bandwidth}

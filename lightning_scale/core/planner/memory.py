@@ -306,4 +306,10 @@ def estimate_memory(
     assert best is not None
     _, terms, rank = best
     where = "only" if candidate.pp == 1 else {0: "first", candidate.pp - 1: "last"}.get(rank, f"rank {rank}")
-    return MemoryEstimate(terms, where, {"microbatches": candidate.microbatches(workload)})
+    params, _ = _rank_parameters(shape, candidate, rank == 0, rank == candidate.pp - 1)
+    saved, _ = _block_activation_bytes(shape, workload, candidate)
+    m = candidate.microbatches(workload)
+    inputs = {"microbatches": m, "parameters_on_rank": params, "blocks_on_rank": rank_blocks(shape, candidate.pp),
+              "block_activation_bytes_per_microbatch": saved, "microbatches_in_flight": in_flight(candidate, m, rank),
+              "fsdp_mixed_precision": float(fsdp_mixed_precision(workload, candidate))}  # fmt: skip
+    return MemoryEstimate(terms, where, inputs)

@@ -21,7 +21,6 @@ from lightning_scale.core.planner.layout import CHECKPOINTING, DP_MODES, Candida
 from lightning_scale.core.planner.memory import MemoryEstimate, estimate_memory
 from lightning_scale.core.planner.shape import ModelShape
 from lightning_scale.core.planner.step_time import Efficiency, TimeEstimate, estimate_time
-from lightning_scale.core.telemetry.cost import PRICES
 
 __all__ = ["PIPELINE_SCHEDULES", "UNMEASURED_SCHEDULES", "Estimate", "candidates", "estimate", "plan"]
 
@@ -144,7 +143,7 @@ def estimate(
     tokens_per_sec = workload.tokens / step
     peak_flops = time.inputs["peak_flops"]
     mfu = time.model_flops / step / (candidate.world_size * peak_flops)
-    price = PRICES.get(cluster.device.price_key or "")
+    price = cluster.device_price()
     usd_per_hour = price.usd_per_device_hour * candidate.world_size if price else None
     usd_per_mtok = usd_per_hour / 3600 / tokens_per_sec * 1e6 if usd_per_hour else None
     hours = token_budget / tokens_per_sec / 3600 if token_budget else None

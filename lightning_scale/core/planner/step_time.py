@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner.cluster import Cluster, Efficiency
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
-from lightning_scale.core.planner.collectives import collective_time, placement, point_to_point_bandwidth
+from lightning_scale.core.planner.collectives import collective_time, describe_group, placement, point_to_point_bandwidth
 from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks
 from lightning_scale.core.planner.shape import ModelShape
 
@@ -73,6 +73,8 @@ class TimeEstimate:
     """Model FLOPs of one optimizer step (all devices; no recomputation)."""
     hardware_flops: float
     inputs: dict[str, float] = field(default_factory=dict)
+    details: dict[str, dict[str, float | str]] = field(default_factory=dict)
+    """Per term, what it was computed from (``lightning-scale-plan --explain`` prints them)."""
 
     @property
     def step_time(self) -> float:
@@ -169,7 +171,7 @@ def estimate_time(
         if candidate.dp_mode == "ddp":  # DDP's buckets: one flat buffer each, reduced from C++
             reduce = collective_time(cluster, eff, "all_reduce", grads, d, stride, max(1, math.ceil(grads / _DDP_BUCKET)))
             dp_time = _exposed(reduce, backward, eff.dp_overlap)
-            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": 0.0}
+            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": 0.0, "reduced_bytes": grads, "buckets": max(1, math.ceil(grads / _DDP_BUCKET))}
         else:
             # One all-gather and one reduce-scatter per sharded unit (each block, and the root's rest);
             # FSDP2 gathers in the compute dtype under mixed precision.
@@ -187,7 +189,8 @@ def estimate_time(
             # under fsdp; the first forward under a pipeline); the reduction only behind the last backward.
             window = per_mb / 3 if p > 1 else (m * per_mb / 3 if candidate.dp_mode == "fsdp_grad_op" else m * per_mb)
             dp_time = _exposed(gather, window, eff.dp_overlap) + _exposed(reduce, backward, eff.dp_overlap)
-            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": gather}
+            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": gather, "gathered_bytes": gathered, "gathers": gathers,
+                         "reduced_bytes": grads, "shard_group": shard}  # fmt: skip
 
     states = OPTIMIZERS[workload.optimizer]
     o_shard = d if candidate.dp_mode in ("fsdp", "fsdp_grad_op") else (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else 1)
@@ -214,4 +217,24 @@ def estimate_time(
     hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
     inputs = {"peak_flops": peak, "matmul_rate": rate, "attention_rate": attention_rate, "memory_bandwidth": hbm,
               "microbatches": m, "bubble_fraction": bubble, "slowdown": slowdown, **dp_inputs}  # fmt: skip
-    return TimeEstimate(terms, model_flops, hardware_flops, inputs)
+    group = {k: v for k, v in describe_group(cluster, eff, d, t * p).items() if k != "group"} if d > 1 else {}
+    details: dict[str, dict[str, float | str]] = {
+        "compute": {"gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
+                    "microbatches": m, "gemm_rate": rate, "smallest_gemm_dim": smallest},
+        "attention": {"flops_counted_per_microbatch": blocks * attention_flops, "executed_share": executed,
+                      "attention_rate": attention_rate, "seq_len": s},
+        "elementwise": {"bytes_per_microbatch": elementwise * hbm, "memory_bandwidth_achieved": hbm,
+                        "traffic_factor": eff.elementwise},
+        "recompute": {"checkpointed_blocks": recomputed, "blocks": blocks},
+        "tensor_parallel": {**describe_group(cluster, eff, t, 1), "bytes_per_microbatch": (4 * blocks + 2 * recomputed + 1) * tp_bytes,
+                            "collectives_per_microbatch": tp_collectives if t > 1 else 0, "overlap": eff.tp_overlap},
+        "pipeline_transfers": {"sends_per_microbatch": 2 * candidate.stages_per_rank if p > 1 else 0,
+                               "bytes_per_send": tokens_mb * shape.d_model / (t if candidate.sequence_parallel else 1) * a if p > 1 else 0.0,
+                               "crosses_nodes": str(p > 1 and placement(cluster, p, t).nodes > 1)},
+        "bubble": {"schedule": candidate.schedule if p > 1 else "none", "bubble_fraction": bubble, "microbatches": m,
+                   "stages_per_rank": candidate.stages_per_rank},
+        "data_parallel": {"mode": candidate.dp_mode, "group": d, **group, **dp_inputs, "overlap": eff.dp_overlap},
+        "overhead": {"seconds_per_block": eff.overhead, "slowdown": slowdown},
+        "optimizer": {"bytes": traffic, "memory_bandwidth_achieved": cluster.device.memory_bandwidth * eff.memory},
+    }  # fmt: skip
+    return TimeEstimate(terms, model_flops, hardware_flops, inputs, details)
