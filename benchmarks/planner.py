@@ -279,7 +279,7 @@ def published_errors() -> list[float]:
         workload = Workload(run.global_batch, run.seq_len, "16-mixed")
         options = [c for c in candidates(run.shape, workload, node, dp_modes=("ddp",), checkpointing=("full",),
                                          schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
-                                         sequence_parallel=False, max_micro_batch=8)
+                                         sequence_parallel=False, max_micro_batch=8, context_parallel=(1,), float8=(False,))
                    if (c.tp, c.pp) == (run.tp, run.pp)]  # fmt: skip
         best = min((estimate_time(run.shape, workload, c, node) for c in options), key=lambda e: e.step_time)
         predicted = megatron_flops_per_step(run) / best.step_time / run.gpus / 1e12

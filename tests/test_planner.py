@@ -367,7 +367,7 @@ def test_bad_input_is_refused_before_any_work() -> None:
     shape = model_shape(PRESETS["tiny"])
     # 4 blocks and 4 heads: at most tp=4 x pp=4, so 64 devices leave at least 4 data-parallel replicas.
     with pytest.raises(ValueError, match=r"No layout of .* on 64 devices splits global_batch=7: .* are \[4, 8, 16, 32, 64\]"):
-        plan(shape, Workload(7, 128), cluster("h100-sxm", nodes=8))
+        plan(shape, Workload(7, 128), cluster("h100-sxm", nodes=8), context_parallel=(1,))  # (cp=64 would split it)
     with pytest.raises(ValueError, match=r"No peak FLOP/s for .* pass peak="):
         estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), Cluster(
             DEVICES["L4"].__class__("cpu", "cpu", 2**34, 1e10, None, "this machine"), 1, 1, LINKS["pcie4"], LINKS["pcie4"]))

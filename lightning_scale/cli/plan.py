@@ -111,12 +111,18 @@ def _money(value: float | None) -> str:
 def table(ranked: Sequence[Estimate], top: int) -> str:
     head = f"{'#':>3}  {'layout':52s} {'fits':4s} {'GiB/dev':>8s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s} {'$/1M tok':>9s} {'hours':>8s} {'$ total':>12s}"
     lines = [head, "-" * len(head)]
+    planned_only = False
     for i, e in enumerate(ranked[:top]):
         hours = "-" if e.hours_to_budget is None else f"{e.hours_to_budget:,.1f}"
+        name = e.name if e.candidate.trainable else e.name + " *"
+        planned_only |= not e.candidate.trainable
         lines.append(
-            f"{i + 1:>3}  {e.name:52s} {'yes' if e.fits else 'NO':4s} {e.memory.total / GiB:8.2f} {e.time.step_time:8.3f} "
+            f"{i + 1:>3}  {name:52s} {'yes' if e.fits else 'NO':4s} {e.memory.total / GiB:8.2f} {e.time.step_time:8.3f} "
             f"{e.tokens_per_sec:11,.0f} {e.mfu:6.1%} {_money(e.usd_per_million_tokens):>9s} {hours:>8s} {_money(e.usd_to_budget):>12s}"
         )
+    if planned_only:
+        lines.append("  * planned only: context parallelism (cp) and float8 linears (fp8) are not trained by "
+                     "HybridParallelStrategy yet; strategy=auto never chooses them")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -143,7 +149,9 @@ def explain(estimate: Estimate) -> str:
     c = estimate.candidate
     lines = [f"{estimate.name}: dp={c.dp} ({c.dp_mode}) x tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} "
              f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
-             f"activation checkpointing {c.checkpointing}"]  # fmt: skip
+             f"activation checkpointing {c.checkpointing}"
+             + (f", context parallel {c.cp}" if c.cp > 1 else "") + (", float8 linears" if c.float8 else "")
+             + ("" if c.trainable else " (planned only: the strategy cannot train it yet)")]  # fmt: skip
     lines.append(f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "
                  f"({'fits' if estimate.fits else 'does not fit'})")  # fmt: skip
     lines += [f"  {k:18s} {v / GiB:10.3f} GiB" for k, v in estimate.memory.terms.items()]

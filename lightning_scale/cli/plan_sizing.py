@@ -77,7 +77,7 @@ def size_for_budget(
         preset = min(PRESETS, key=lambda k: abs(math.log(model_shape(PRESETS[k]).parameters / n)))
         shape = model_shape(PRESETS[preset], preset)
         tokens = compute / (6 * shape.parameters)
-        ranked = plan(shape, workload, system, token_budget=tokens)
+        ranked = plan(shape, workload, system, token_budget=tokens, context_parallel=(1,), float8=(False,))  # what trains
         best = ranked[0]
         out = {
             "law": law.source, "budget_flops": compute, "optimal_parameters": n, "optimal_tokens": d,

@@ -75,9 +75,15 @@ class Candidate:
     sequence_parallel: bool = False
     hsdp_shard: int = 1
     """``hsdp``: the devices each replica shards over (the rest replicate)."""
+    cp: int = 1
+    """Context parallel: the ranks each sequence is split over (ring attention passes the keys and values
+    around them); planned with the mesh ``(dp, cp, pp, tp)``. Planned only: the strategy cannot train it yet."""
+    float8: bool = False
+    """The linear layers' matmuls in float8 (torchao, rowwise or tensorwise scaling; attention stays bf16).
+    Planned only: the strategy cannot train it yet."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "checkpoint_every", "virtual_stages", "hsdp_shard"):
+        for name in ("dp", "tp", "pp", "micro_batch", "checkpoint_every", "virtual_stages", "hsdp_shard", "cp"):
             check_positive_int(name, getattr(self, name))
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode={self.dp_mode!r}; valid: {format_choices(DP_MODES)}.")
@@ -88,7 +94,18 @@ class Candidate:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def trainable(self) -> bool:
+        """Whether ``HybridParallelStrategy`` can train this layout (not a planned-only dimension)."""
+        return self.cp == 1 and not self.float8
+
+    @property
+    def data_shards(self) -> int:
+        """The ranks the data-parallel mode reduces gradients over and shards across: data and context
+        parallel together (each context-parallel rank holds a part of every sequence)."""
+        return self.dp * self.cp
 
     @property
     def stages_per_rank(self) -> int:
@@ -112,7 +129,7 @@ class Candidate:
     def layout(self) -> str:
         """The sizes and data-parallel mode, named as a sweep's jobs are (``dp2-tp1-pp1``, ``fsdp8-tp2-pp1``)."""
         prefix = "dp" if self.dp_mode == "ddp" else self.dp_mode
-        return f"{prefix}{self.dp}-tp{self.tp}-pp{self.pp}"
+        return f"{prefix}{self.dp}-tp{self.tp}-pp{self.pp}" + (f"-cp{self.cp}" if self.cp > 1 else "")
 
     @property
     def name(self) -> str:
@@ -127,4 +144,6 @@ class Candidate:
         parts.append(f"mb{self.micro_batch}")
         if self.checkpointing != "none":
             parts.append("ac" if self.checkpointing == "full" else f"ac{self.checkpoint_every}")
+        if self.float8:
+            parts.append("fp8")
         return "-".join(parts)

@@ -60,6 +60,11 @@ output projection reads, another ``a H Q``) and its log-sum-exp (``4 H``), the M
 activations (``2 a F``, or ``4 a F`` gated), all divided by ``tp``. Attention is taken as a fused
 (flash or memory-efficient) kernel, which keeps no ``T x T`` matrix.
 
+Under FSDP2's mixed precision (a sharding mode with a mixed precision: :func:`fsdp_mixed_precision`) the
+block's activations, its gathered parameters and unsharded gradients are 16-bit and no autocast copy
+exists. A context-parallel layout (``cp``, planned only) holds ``1 / cp`` of every sequence, and shards
+over the data x context ranks.
+
 Checked against torch's ``MemTracker`` on real steps of this package in one and several processes
 (``benchmarks/planner.py``).
 """
@@ -121,7 +126,7 @@ def fsdp_mixed_precision(workload: Workload, candidate: Candidate) -> bool:
     gradients are 16-bit; no per-linear autocast copies), the shards, their gradients and the optimizer
     state stay fp32, and gradients are reduced in fp32."""
     pbytes, _, a = PRECISION_BYTES[workload.precision]
-    return candidate.dp_mode in ("fsdp", "fsdp_grad_op", "hsdp") and candidate.dp > 1 and pbytes > a
+    return candidate.dp_mode in ("fsdp", "fsdp_grad_op", "hsdp") and candidate.data_shards > 1 and pbytes > a
 
 
 def _residual_bytes(workload: Workload, candidate: Candidate | None = None) -> int:
@@ -138,7 +143,7 @@ def _block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Ca
     r = _residual_bytes(workload, candidate)
     t = candidate.tp
     sp = t if candidate.sequence_parallel else 1
-    tokens = candidate.micro_batch * workload.seq_len
+    tokens = candidate.micro_batch * workload.seq_len / candidate.cp  # context parallel: a part of each sequence
     d, q = shape.d_model, shape.head_dim
     norms = 2 * d * r * (1 if shape.layernorm else 2) + 16  # inputs (RMSNorm's normalised input too), statistics
     autocast = pbytes > a and not fsdp_mixed_precision(workload, candidate)
@@ -169,9 +174,9 @@ def _rank_parameters(shape: ModelShape, candidate: Candidate, first: bool, last:
 def _shards(candidate: Candidate) -> tuple[int, int, int]:
     """Divisors of (parameters, gradients, optimizer state) by the data-parallel mode."""
     if candidate.dp_mode == "fsdp":
-        return candidate.dp, candidate.dp, candidate.dp
+        return candidate.data_shards, candidate.data_shards, candidate.data_shards
     if candidate.dp_mode == "fsdp_grad_op":
-        return 1, candidate.dp, candidate.dp
+        return 1, candidate.data_shards, candidate.data_shards
     if candidate.dp_mode == "hsdp":
         s = candidate.hsdp_shard
         return s, s, s
@@ -213,13 +218,13 @@ def _rank_estimate(
         # precision, their copy in the reduce dtype the reduce-scatter reads).
         backward_only = block_params * (gathered + (a + gbytes if mixed else gbytes))
         terms["fsdp_buffers"] = block_params * gathered + backward_only + (params - blocks * block_params) * gathered
-    elif candidate.dp_mode == "fsdp_grad_op" and candidate.dp > 1:
+    elif candidate.dp_mode == "fsdp_grad_op" and candidate.data_shards > 1:
         terms["fsdp_buffers"] = block_params * (a + gbytes if mixed else gbytes)
         if mixed:  # the fp32 shards, and the 16-bit gathered copy held from the forward to the backward
-            terms["parameters"] = params * (pbytes / candidate.dp + a)
-    elif candidate.dp_mode == "ddp" and candidate.dp > 1 and candidate.tp == p == 1:
+            terms["parameters"] = params * (pbytes / candidate.data_shards + a)
+    elif candidate.dp_mode == "ddp" and candidate.data_shards > 1 and candidate.tp == p == 1:
         terms["ddp_buckets"] = params * gbytes
-    elif candidate.dp_mode == "ddp" and candidate.dp > 1:
+    elif candidate.dp_mode == "ddp" and candidate.data_shards > 1:
         terms["fsdp_buffers"] = params * pbytes  # FSDP2's replicate: a gathered copy, forward to backward
     m = candidate.microbatches(workload)
     saved, kept = _block_activation_bytes(shape, workload, candidate)
@@ -229,7 +234,7 @@ def _rank_estimate(
     terms["activations"] = held * per_microbatch
     terms["logits"] = 0.0
     if last:
-        tokens = candidate.micro_batch * workload.seq_len
+        tokens = candidate.micro_batch * workload.seq_len / candidate.cp
         logits = tokens * shape.vocab_size / candidate.tp
         head = tokens * shape.d_model * (r / (candidate.tp if candidate.sequence_parallel else 1) + a)
         last_held = in_flight(candidate, m, p - 1) if p > 1 else 1.0
@@ -247,7 +252,7 @@ def _rank_estimate(
     terms["recompute"] = max(0.0, saved + gradient - freed - terms["logits"]) if checkpointed else 0.0
     terms["pipeline_buffers"] = 0.0
     if p > 1:
-        tokens = candidate.micro_batch * workload.seq_len
+        tokens = candidate.micro_batch * workload.seq_len / candidate.cp
         width = shape.d_model / (candidate.tp if candidate.sequence_parallel else 1)
         chunks = candidate.stages_per_rank
         terms["pipeline_buffers"] = 2 * m * chunks * tokens * width * a

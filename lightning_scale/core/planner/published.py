@@ -1,6 +1,6 @@
 """Published step-time measurements the planner is checked against. No Lightning.
 
-:data:`RECORDS` holds the runs of three other sources, each row copied as published (``benchmarks/README.md``
+:data:`RECORDS` holds the runs of four other sources, each row copied as published (``benchmarks/README.md``
 says which tables and why; ``benchmarks/planner.py`` prints every row's prediction), and :data:`SOURCES`
 what each source's software did that the planner's system constants must be told (a kernel it had or
 lacked), never a number fitted to it:
@@ -11,6 +11,9 @@ lacked), never a number fitted to it:
   recomputation against sequence parallelism with selective recomputation;
 - ``megatron_core_2024``: the weak-scaling table of NVIDIA/Megatron-LM's README (``images/model_table.png``
   at core_r0.8.0, 2024-07): GPT models of 1.7B to 462B parameters on 48 to 6,144 H100 GPUs;
+- ``torchtitan_2024``: Tables 1-6 of pytorch/torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``:
+  Llama 3.1 8B, 70B and 405B on 8 to 512 H100s (96 GB HBM2e parts at 500 W) with FSDP2, tensor, pipeline
+  and context parallelism, float8 linears and ``torch.compile``;
 - ``llm_foundry_2024``: the H100 80GB bf16 tables of mosaicml/llm-foundry's
   ``scripts/train/benchmarking/README.md`` (commit 4952183; runs of 2023-10 and 2024-01): MPT models of
   760M to 70B parameters under PyTorch FSDP on 8 to 512 GPUs, sequences of 512 to 65,536 tokens.
@@ -28,9 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from lightning_scale.core.planner.cluster import A100_MEGATRON, HOPPER, Efficiency, cluster
+from lightning_scale.core.planner.cluster import A100_MEGATRON, DEVICES, HOPPER, Device, Efficiency, cluster
 from lightning_scale.core.planner.layout import CHECKPOINTING, Workload
 from lightning_scale.core.planner.search import Estimate, candidates, estimate
+from lightning_scale.core.planner.published_tables import FOUNDRY, FOUNDRY_FP8, FOUNDRY_SHAPES, KORTHIKANTI, LLAMA3, MCORE, TORCHTITAN
 from lightning_scale.core.planner.shape import ModelShape
 
 __all__ = ["NARAYANAN_2021", "RECORDS", "SOURCES", "PublishedRecord", "PublishedRun", "PublishedSource",
@@ -99,6 +103,8 @@ class PublishedSource:
     efficiency: Efficiency
     """The preset's constants, told what the source's software had (see :data:`SOURCES`)."""
     citation: str
+    device: Device | None = None
+    """The source's GPU where it is not the preset's own."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,12 @@ class PublishedRecord:
     sequence_parallel: bool = False
     schedules: tuple[tuple[str, int], ...] = (("1f1b", 1),)
     """The pipeline schedules the source's software had (the planner's fastest of them)."""
+    cp: int = 1
+    float8: bool = False
+    elementwise: float | None = None
+    """The run's own elementwise traffic factor (``torch.compile``: :data:`COMPILED`); None: its source's."""
+    tp_overlap: bool = False
+    """Tensor-parallel communication overlapped (async TP): at the source's ``dp_overlap``."""
 
 
 SOURCES: dict[str, PublishedSource] = {
@@ -145,8 +157,23 @@ SOURCES: dict[str, PublishedSource] = {
                                 "1.3-2.5x faster than the Triton FlashAttention)"),
                         "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 4952183 (H100 80GB BF16 tables); "
                         "eager PyTorch under FSDP"),
+        PublishedSource("torchtitan_2024", "h100-sxm", HOPPER,
+                        "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e, first in "
+                        "docs/performance.md at d4c86e3): Llama 3.1 8B, 70B and 405B on 8 to 512 H100s; FSDP2, TP, "
+                        "PP, CP, float8 (torchao), torch.compile, async TP",
+                        replace(DEVICES["H100 SXM 80GB"], name="H100 SXM 96GB HBM2e (500 W)", chip="H100 NVL",
+                                memory=89.4 * 2**30, memory_bandwidth=2.4e12,
+                                source="torchtitan's footnote: 'HBM2e-based SXM H100 with lower TDP, the actual peak "
+                                "TFLOPs number is between SXM and NVL' (planned at the NVL column); 96 GB HBM2e at "
+                                "2.4 TB/s; 8 per host, 400 Gb/s RDMA per GPU")),
     )
 }  # fmt: skip
+
+COMPILED = 0.72
+"""The eager elementwise traffic ``torch.compile`` leaves a Llama block, counted per token for Llama 3 8B:
+the residual add fused into the next norm (``8 d`` of ``10 d``), rotary embeddings into the head-major
+copies (``2 (H + K) Q`` of ``5 (H + K) Q``), SiLU and the product into one kernel (``3 F`` of ``5 F``):
+106,496 of 148,480 elements."""
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, positions: int) -> ModelShape:
@@ -156,139 +183,44 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, positions:
                       layernorm=True, name=name)  # fmt: skip
 
 
-_K22 = "korthikanti2022"
-_KORTHIKANTI = (  # label, heads, hidden, layers, tp, pp, GPUs, global batch, micro-batch, schedule, seconds (full, present)
-    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, ("1f1b", 1), 1.42, 1.10),
-    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, ("interleaved_1f1b", 3), 18.13, 13.75),
-    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, ("interleaved_1f1b", 3), 49.05, 37.83),
-    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, ("1f1b", 1), 94.42, 71.49),
-)
-"""Table 3's layouts (sequence 2,048, vocabulary 51,200; the 175B and 530B runs interleaved, 3 stages a
-rank) and Table 5's iteration times: full recomputation, and "present work" (sequence parallelism with
-selective recomputation, which recomputes only attention's softmax and products: the planner has no such
-mode, so it is planned with no checkpointing). Tokens/s per GPU = batch x 2,048 / time / GPUs."""
-
-_MCORE = (  # params, heads, hidden, layers, tp, pp, GPUs, global batch, TFLOP/s per GPU
-    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
-    ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
-    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1),
-    ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
-    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7),
-    ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
-    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
-    ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
-    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
-)
-"""Sequence 4,096, vocabulary 131,072, data parallel 48 in every row; micro-batch, schedule and
-recomputation are not published (the planner's fastest). Megatron-Core's distributed optimizer
-reduce-scatters the gradients and all-gathers the parameters once a step, as ``fsdp_grad_op`` does
-under a pipeline (its memory differs: only the optimizer state is sharded). The TFLOP/s count ``6 N + 12 L H Q T`` per token
-(Megatron-Core's ``num_floating_point_operations``, the planner's own count), so tokens/s per GPU =
-TFLOP/s / that count."""
-
-_FOUNDRY_SHAPES = {  # layers, hidden, heads (vocabulary 50,368; learned positions as long as the sequence)
-    "mpt-760m": (24, 1536, 12), "mpt-1b": (24, 2048, 16), "mpt-3b": (32, 2560, 20), "mpt-7b": (32, 4096, 32),
-    "mpt-13b": (40, 5120, 40), "mpt-30b": (48, 7168, 56), "mpt-70b": (80, 8192, 64),
-}  # fmt: skip
-_FOUNDRY = (  # model, sequence, GPUs, micro-batch, accumulation, checkpointing, FSDP mode, tokens/s per GPU, MFU %
-    ("mpt-70b", 2048, 512, 8, 1, "full", "fsdp", 1007, 41.25),  # large
-    ("mpt-70b", 2048, 256, 8, 1, "full", "fsdp", 1035, 42.42),  # large
-    ("mpt-70b", 2048, 128, 8, 1, "full", "fsdp", 1058, 43.36),  # large
-    ("mpt-30b", 2048, 512, 8, 1, "full", "fsdp", 2115, 40.27),  # large
-    ("mpt-30b", 2048, 256, 8, 1, "full", "fsdp", 2148, 40.89),  # large
-    ("mpt-30b", 2048, 128, 8, 1, "full", "fsdp", 2199, 41.85),  # large
-    ("mpt-13b", 2048, 512, 16, 1, "full", "fsdp", 4952, 41.12),  # large
-    ("mpt-13b", 2048, 256, 16, 1, "full", "fsdp", 4989, 41.42),  # large
-    ("mpt-13b", 2048, 128, 16, 1, "full", "fsdp", 5080, 42.18),  # large
-    ("mpt-7b", 2048, 512, 6, 1, "none", "fsdp", 9670, 42.2),  # large
-    ("mpt-7b", 2048, 256, 6, 1, "none", "fsdp", 10119, 44.15),  # large
-    ("mpt-7b", 2048, 128, 6, 1, "none", "fsdp", 10475, 45.71),  # large
-    ("mpt-3b", 2048, 512, 8, 1, "none", "fsdp_grad_op", 21664, 39.24),  # large
-    ("mpt-3b", 2048, 256, 8, 1, "none", "fsdp_grad_op", 22772, 41.25),  # large
-    ("mpt-3b", 2048, 128, 8, 1, "none", "fsdp_grad_op", 23422, 42.43),  # large
-    ("mpt-1b", 2048, 512, 12, 1, "none", "fsdp_grad_op", 39837, 36.65),  # large
-    ("mpt-1b", 2048, 256, 12, 1, "none", "fsdp_grad_op", 42555, 39.15),  # large
-    ("mpt-1b", 2048, 128, 12, 1, "none", "fsdp_grad_op", 44123, 40.6),  # large
-    ("mpt-70b", 2048, 64, 8, 4, "full", "fsdp", 1039, 42.57),  # bf16
-    ("mpt-70b", 2048, 32, 2, 16, "full", "fsdp", 882, 36.15),  # bf16
-    ("mpt-30b", 8192, 8, 1, 21, "full", "fsdp", 1384, 29.92),  # bf16
-    ("mpt-30b", 4096, 8, 1, 21, "full", "fsdp", 1802, 35.86),  # bf16
-    ("mpt-30b", 2048, 32, 14, 3, "full", "fsdp", 2308, 43.92),  # bf16
-    ("mpt-30b", 2048, 16, 10, 3, "full", "fsdp", 2263, 43.07),  # bf16
-    ("mpt-30b", 2048, 8, 3, 21, "full", "fsdp", 2002, 38.11),  # bf16
-    ("mpt-30b", 1024, 8, 6, 21, "full", "fsdp", 2084, 38.76),  # bf16
-    ("mpt-13b", 32768, 8, 1, 3, "full", "fsdp", 1976, 31.68),  # bf16
-    ("mpt-13b", 16384, 8, 3, 3, "full", "fsdp", 2985, 35.55),  # bf16
-    ("mpt-13b", 4096, 8, 10, 3, "full", "fsdp", 4717, 41.6),  # bf16
-    ("mpt-13b", 2048, 64, 2, 1, "none", "fsdp", 4800, 39.86),  # bf16
-    ("mpt-13b", 2048, 32, 2, 1, "none", "fsdp", 4811, 39.95),  # bf16
-    ("mpt-13b", 2048, 16, 2, 1, "none", "fsdp", 4767, 39.58),  # bf16
-    ("mpt-13b", 2048, 8, 2, 1, "none", "fsdp", 4792, 39.79),  # bf16
-    ("mpt-13b", 1024, 8, 40, 3, "full", "fsdp", 5502, 44.27),  # bf16
-    ("mpt-7b", 65536, 8, 1, 2, "full", "fsdp", 1956, 28.59),  # bf16
-    ("mpt-7b", 32768, 8, 2, 2, "full", "fsdp", 3318, 30.94),  # bf16
-    ("mpt-7b", 8192, 8, 8, 2, "full", "fsdp", 6935, 37.14),  # bf16
-    ("mpt-7b", 4096, 8, 16, 2, "full", "fsdp", 8611, 40.42),  # bf16
-    ("mpt-7b", 2048, 8, 6, 1, "none", "fsdp", 10643, 46.44),  # bf16
-    ("mpt-7b", 1024, 8, 64, 2, "full", "fsdp", 10203, 42.83),  # bf16
-    ("mpt-3b", 65536, 8, 1, 2, "full", "fsdp", 3262, 26.81),  # bf16
-    ("mpt-3b", 32768, 8, 3, 6, "full", "fsdp", 5873, 28.84),  # bf16
-    ("mpt-3b", 16384, 8, 1, 6, "none", "fsdp", 11152, 36.34),  # bf16
-    ("mpt-3b", 8192, 8, 3, 6, "none", "fsdp", 16578, 40.31),  # bf16
-    ("mpt-3b", 4096, 8, 5, 6, "none", "fsdp", 20964, 42.31),  # bf16
-    ("mpt-3b", 2048, 64, 6, 3, "none", "fsdp", 22525, 40.8),  # bf16
-    ("mpt-3b", 2048, 32, 6, 3, "none", "fsdp", 23021, 41.7),  # bf16
-    ("mpt-3b", 2048, 16, 10, 3, "none", "fsdp", 24142, 43.73),  # bf16
-    ("mpt-3b", 1024, 8, 20, 6, "none", "fsdp", 27046, 46.2),  # bf16
-    ("mpt-3b", 512, 8, 40, 6, "none", "fsdp", 27965, 46.32),  # bf16
-    ("mpt-1b", 65536, 8, 1, 2, "full", "fsdp", 5506, 26.34),  # bf16
-    ("mpt-1b", 32768, 8, 1, 4, "none", "fsdp", 12025, 33.54),  # bf16
-    ("mpt-1b", 16384, 8, 2, 4, "none", "fsdp", 19649, 35.22),  # bf16
-    ("mpt-1b", 8192, 8, 3, 4, "none", "fsdp", 29157, 37.73),  # bf16
-    ("mpt-1b", 4096, 8, 7, 4, "none", "fsdp", 38535, 40.26),  # bf16
-    ("mpt-1b", 2048, 64, 20, 1, "none", "fsdp", 44402, 40.85),  # bf16
-    ("mpt-1b", 2048, 32, 20, 1, "none", "fsdp", 45130, 41.52),  # bf16
-    ("mpt-1b", 2048, 16, 20, 1, "none", "fsdp", 46037, 42.36),  # bf16
-    ("mpt-1b", 2048, 8, 14, 1, "none", "fsdp", 45455, 41.82),  # bf16
-    ("mpt-1b", 1024, 8, 18, 4, "none", "fsdp", 48910, 41.95),  # bf16
-    ("mpt-1b", 512, 8, 56, 4, "none", "fsdp", 52275, 43.21),  # bf16
-    ("mpt-760m", 32768, 8, 1, 2, "none", "fsdp", 16291, 31.84),  # bf16
-    ("mpt-760m", 16384, 8, 3, 2, "none", "fsdp", 27815, 33.57),  # bf16
-    ("mpt-760m", 8192, 8, 6, 2, "none", "fsdp", 41825, 34.84),  # bf16
-    ("mpt-760m", 4096, 8, 12, 2, "none", "fsdp", 55459, 35.83),  # bf16
-    ("mpt-760m", 2048, 32, 24, 1, "none", "fsdp", 67971, 37.57),  # bf16
-    ("mpt-760m", 2048, 16, 24, 1, "none", "fsdp", 68551, 37.89),  # bf16
-    ("mpt-760m", 2048, 8, 24, 2, "none", "fsdp", 63147, 34.9),  # bf16
-    ("mpt-760m", 1024, 8, 48, 2, "none", "fsdp", 78581, 39.76),  # bf16
-    ("mpt-760m", 512, 8, 96, 2, "none", "fsdp", 83749, 40.42),  # bf16
-)
-"""Every row of the two H100 80GB BF16 tables (``amp_bf16``, FSDP mixed precision ``DEFAULT``: fp32
-parameters gathered, bf16 autocast); FULL_SHARD is ``fsdp``, SHARD_GRAD_OP ``fsdp_grad_op``;
-activation checkpointing is full. Tokens/s per GPU as published."""
-
-
 def _records() -> tuple[PublishedRecord, ...]:
     out = []
-    for label, heads, hidden, layers, tp, pp, gpus, batch, micro, schedule, *seconds in _KORTHIKANTI:
+    for label, heads, hidden, layers, tp, pp, gpus, batch, micro, schedule, *seconds in KORTHIKANTI:
         shape = _gpt(f"GPT-{label}", layers, hidden, heads, 51200, 2048)
         for experiment, time, ckpt, sp in zip(("full recompute", "present work"), seconds, ("full", "none"), (False, True)):
-            out.append(PublishedRecord(_K22, f"{label} {experiment}", shape, gpus, tp, pp, batch, 2048,
+            out.append(PublishedRecord("korthikanti2022", f"{label} {experiment}", shape, gpus, tp, pp, batch, 2048,
                                        batch * 2048 / time / gpus, micro_batch=micro, checkpointing=ckpt,
                                        sequence_parallel=sp, schedules=(schedule,)))  # fmt: skip
-    for label, heads, hidden, layers, tp, pp, gpus, batch, tflops in _MCORE:
+    for label, heads, hidden, layers, tp, pp, gpus, batch, tflops in MCORE:
         shape = _gpt(f"GPT-{label}", layers, hidden, heads, 131072, 4096)
         out.append(PublishedRecord("megatron_core_2024", label, shape, gpus, tp, pp, batch, 4096,
                                    tflops * 1e12 / shape.flops_per_token(4096), dp_mode="fsdp_grad_op", sequence_parallel=tp > 1,
                                    schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))))  # fmt: skip
-    for model, seq, gpus, micro, accumulation, ckpt, mode, tokens, _mfu in _FOUNDRY:
-        layers, hidden, heads = _FOUNDRY_SHAPES[model]
-        out.append(PublishedRecord("llm_foundry_2024", f"{model} seq {seq} on {gpus}", _gpt(model, layers, hidden, heads, 50368, seq),
-                                   gpus, 1, 1, micro * accumulation * gpus, seq, float(tokens), dp_mode=mode,
-                                   micro_batch=micro, checkpointing=ckpt))  # fmt: skip
+    for i, (model, seq, gpus, micro, accumulation, ckpt, mode, tokens, _mfu) in enumerate(FOUNDRY):
+        layers, hidden, heads = FOUNDRY_SHAPES[model]
+        fp8 = i >= len(FOUNDRY) - FOUNDRY_FP8
+        out.append(PublishedRecord("llm_foundry_2024", f"{model} seq {seq} on {gpus}" + (" fp8" if fp8 else ""),
+                                   _gpt(model, layers, hidden, heads, 50368, seq), gpus, 1, 1, micro * accumulation * gpus,
+                                   seq, float(tokens), dp_mode=mode, micro_batch=micro, checkpointing=ckpt, float8=fp8))  # fmt: skip
     return tuple(out)
 
 
-RECORDS: tuple[PublishedRecord, ...] = _records()
+def _torchtitan_records() -> tuple[PublishedRecord, ...]:
+    out = []
+    for model, gpus, fsdp, tp, pp, cp, local, seq, compiled, fp8, ckpt, async_tp, schedule, tokens, table in TORCHTITAN:
+        layers, hidden, heads, kv, ffn = LLAMA3[model]
+        shape = ModelShape(n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads, d_ff=ffn,
+                           vocab_size=128256, gated_mlp=True, tied=False, layernorm=False, name=f"Llama-3.1-{model}")  # fmt: skip
+        stack = ("compile" if compiled else "eager") + (" float8" if fp8 else "") + (" async-TP" if async_tp else "")
+        out.append(PublishedRecord("torchtitan_2024", f"{model} table {table} fsdp{fsdp} tp{tp} pp{pp} cp{cp} seq {seq} {stack}",
+                                   shape, gpus, tp, pp, local * fsdp, seq, float(tokens), dp_mode="fsdp",
+                                   micro_batch=local // pp, checkpointing=ckpt, sequence_parallel=tp > 1,
+                                   schedules=(schedule,) if schedule else (("1f1b", 1),), cp=cp, float8=fp8,
+                                   elementwise=COMPILED if compiled else 1.0, tp_overlap=async_tp))  # fmt: skip
+    return tuple(out)
+
+
+RECORDS: tuple[PublishedRecord, ...] = _records() + _torchtitan_records()
 
 
 def predict(record: PublishedRecord, efficiency: Efficiency | None = None) -> Estimate:
@@ -298,14 +230,21 @@ def predict(record: PublishedRecord, efficiency: Efficiency | None = None) -> Es
     optimizer shards what the planner's mode does not)."""
     source = SOURCES[record.source]
     per_node = min(8, record.gpus)
-    node = replace(cluster(source.cluster, nodes=math.ceil(record.gpus / per_node), devices_per_node=per_node),
-                   efficiency=efficiency or source.efficiency)  # fmt: skip
+    eff = efficiency or source.efficiency
+    if record.elementwise is not None:
+        eff = replace(eff, elementwise=record.elementwise)
+    if record.tp_overlap:
+        eff = replace(eff, tp_overlap=eff.dp_overlap)
+    node = replace(cluster(source.cluster, nodes=math.ceil(record.gpus / per_node), devices_per_node=per_node), efficiency=eff)
+    if source.device is not None:
+        node = replace(node, device=source.device)
     precision = "16-mixed" if record.source == "korthikanti2022" else "bf16-mixed"
     workload = Workload(record.global_batch, record.seq_len, precision)
     options = [
         c for c in candidates(record.shape, workload, node, dp_modes=(record.dp_mode,), schedules=record.schedules,
                               checkpointing=(record.checkpointing,) if record.checkpointing else CHECKPOINTING,
-                              sequence_parallel=record.sequence_parallel, max_micro_batch=record.micro_batch or 16)
+                              sequence_parallel=record.sequence_parallel, max_micro_batch=record.micro_batch or 16,
+                              context_parallel=(record.cp,), float8=(record.float8,))
         if (c.tp, c.pp) == (record.tp, record.pp) and record.micro_batch in (None, c.micro_batch)
     ]  # fmt: skip
     if not options:

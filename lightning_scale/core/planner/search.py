@@ -4,8 +4,9 @@
 parallel within a node, dividing the heads, key/value heads and MLP width; pipeline no deeper than
 the blocks; never a layout the strategy refuses, such as a V-shaped schedule over a tied embedding
 under data parallelism), each data-parallel mode, pipeline schedule (with its virtual stages), micro-batch size
-and activation checkpointing; gradient accumulation (or pipeline micro-batches) keeps the global
-batch. :func:`plan` estimates each (:mod:`.memory`, :mod:`.step_time`) and ranks those that fit first,
+and activation checkpointing, and the planned-only dimensions (context parallel sizes, float8 linears:
+:attr:`~lightning_scale.core.planner.layout.Candidate.trainable`); gradient accumulation (or pipeline
+micro-batches) keeps the global batch. :func:`plan` estimates each (:mod:`.memory`, :mod:`.step_time`) and ranks those that fit first,
 fastest first. Only what ``benchmarks/planner.py`` measures is ranked unless asked for: the zero-bubble
 schedules are not (:data:`UNMEASURED_SCHEDULES` says why).
 """
@@ -77,6 +78,20 @@ def _tp_sizes(shape: ModelShape, cluster: Cluster) -> list[int]:
             if shape.n_heads % t == 0 and shape.n_kv_heads % t == 0 and shape.d_ff % t == 0]  # fmt: skip
 
 
+def _context_parallel_sizes(workload: Workload, ranks: int, asked: Sequence[int] | None) -> list[int]:
+    """Context-parallel sizes for ``ranks`` data x context ranks: each splits every sequence into ``2 cp``
+    chunks (load-balanced causal ring attention); by default 1 and every such size up to 16."""
+    sizes = asked if asked is not None else [c for c in divisors(ranks) if c <= 16]
+    return [c for c in sizes if ranks % c == 0 and (c == 1 or workload.seq_len % (2 * c) == 0)]
+
+
+def _float8_options(workload: Workload, cluster: Cluster, asked: Sequence[bool] | None) -> list[bool]:
+    """Whether to plan float8 linears: by default where the device has a float8 peak and the run is bf16-mixed."""
+    if asked is not None:
+        return list(asked)
+    return [False, True] if cluster.device.peak("float8") and workload.precision == "bf16-mixed" else [False]
+
+
 def candidates(
     shape: ModelShape,
     workload: Workload,
@@ -88,40 +103,49 @@ def candidates(
     sequence_parallel: bool = True,
     max_micro_batch: int = 16,
     gradient_accumulation: bool = True,
+    context_parallel: Sequence[int] | None = None,
+    float8: Sequence[bool] | None = None,
 ) -> Iterator[Candidate]:
     """Every layout the model, cluster and batch admit (see the module doc). ``sequence_parallel``:
     whether tensor-parallel layouts shard the norms' activations too (the package's default);
     ``gradient_accumulation=False``: without a pipeline, each replica's whole batch is one micro-batch
-    (what a strategy runs when the Trainer accumulates nothing)."""
+    (what a strategy runs when the Trainer accumulates nothing). ``context_parallel`` (sizes) and
+    ``float8`` (``False``, ``True``) are planned-only dimensions (:attr:`Candidate.trainable`): by default
+    every context-parallel size up to 16 that splits the sequence, and float8 where the device has it;
+    ``(1,)`` and ``(False,)`` plan only what the strategy trains."""
     world = cluster.world_size
+    fp8_options = _float8_options(workload, cluster, float8)
     for t in _tp_sizes(shape, cluster):
         for p in divisors(world // t) if world % t == 0 else []:
             if p > shape.n_layers:
                 break
-            d = world // (t * p)
-            if workload.global_batch % d:
-                continue
-            local = workload.global_batch // d
-            modes = [m for m in dp_modes if d > 1 or m == "ddp"]
-            group = t * p
-            shard = cluster.devices_per_node // group if cluster.devices_per_node % group == 0 else 0
-            sizes = [local] if p == 1 and not gradient_accumulation else [b for b in divisors(local) if b <= max_micro_batch]
-            for mb in sizes:
-                m = local // mb
-                for schedule, v in schedules if p > 1 else (("1f1b", 1),):
-                    if p > 1 and (m < p or (v > 1 and (m % p or shape.n_layers % (p * v)))):
-                        continue
-                    if schedule in _V_SHAPED and shape.tied and d > 1:
-                        continue  # the tied embedding and head on one rank's two stages, wrapped apart by data parallelism
-                    for mode in modes:
-                        if mode == "hsdp" and not (1 < shard < d and d % shard == 0):
+            for c in _context_parallel_sizes(workload, world // (t * p), context_parallel):
+                d = world // (t * p * c)
+                if workload.global_batch % d:
+                    continue
+                local = workload.global_batch // d
+                ranks = d * c  # data x context: what data parallelism reduces over and shards across
+                modes = [m for m in dp_modes if ranks > 1 or m == "ddp"]
+                group = t * p
+                shard = cluster.devices_per_node // group if cluster.devices_per_node % group == 0 else 0
+                sizes = [local] if p == 1 and not gradient_accumulation else [b for b in divisors(local) if b <= max_micro_batch]
+                for mb in sizes:
+                    m = local // mb
+                    for schedule, v in schedules if p > 1 else (("1f1b", 1),):
+                        if p > 1 and (m < p or (v > 1 and (m % p or shape.n_layers % (p * v)))):
                             continue
-                        for ckpt in checkpointing:
-                            yield Candidate(
-                                dp=d, tp=t, pp=p, dp_mode=mode, schedule=schedule, virtual_stages=max(v, 1),
-                                micro_batch=mb, checkpointing=ckpt, sequence_parallel=sequence_parallel and t > 1,
-                                hsdp_shard=shard if mode == "hsdp" else 1,
-                            )  # fmt: skip
+                        if schedule in _V_SHAPED and shape.tied and ranks > 1:
+                            continue  # the tied embedding and head on one rank's two stages, wrapped apart by data parallelism
+                        for mode in modes:
+                            if mode == "hsdp" and not (1 < shard < ranks and ranks % shard == 0):
+                                continue
+                            for ckpt in checkpointing:
+                                for fp8 in fp8_options:
+                                    yield Candidate(
+                                        dp=d, tp=t, pp=p, dp_mode=mode, schedule=schedule, virtual_stages=max(v, 1),
+                                        micro_batch=mb, checkpointing=ckpt, sequence_parallel=sequence_parallel and t > 1,
+                                        hsdp_shard=shard if mode == "hsdp" else 1, cp=c, float8=fp8,
+                                    )  # fmt: skip
 
 
 def estimate(

@@ -126,6 +126,15 @@ class ModelShape:
         mlp = (5 if self.gated_mlp else 2) * self.d_ff
         return 3.0 * (residual + (heads + rotary + mlp) * activation_bytes)
 
+    def float8_cast_elements_per_token(self) -> float:
+        """Elements a block scales and casts to float8 per token: the inputs of its linears in the forward
+        (``2 d + H Q + F``: the norms' outputs feed the query/key/value and MLP input projections) and the
+        gradients of their outputs in the backward (``(H + 2 K) Q + d + F`` or ``2 F`` gated, ``+ d``)."""
+        q = self.head_dim
+        forward = 2 * self.d_model + self.n_heads * q + self.d_ff
+        backward = (self.n_heads + 2 * self.n_kv_heads) * q + 2 * self.d_model + self.d_ff * (2 if self.gated_mlp else 1)
+        return float(forward + backward)
+
     def loss_bytes_per_token(self, activation_bytes: int) -> float:
         """Bytes the loss moves per token over the vocabulary: forward, the head's output written
         (``a``), cast to fp32 (``a + 4``), the log-softmax read and written (``8``); backward, its

@@ -100,13 +100,20 @@ def estimate_time(
         raise ValueError(
             f"No peak FLOP/s for {cluster.device.name} in {workload.compute_dtype}: pass peak= (FLOP/s per device)."
         )
-    t, p, d = candidate.tp, candidate.pp, candidate.dp
+    t, p, c = candidate.tp, candidate.pp, candidate.cp
+    d = candidate.data_shards  # the ranks gradients are reduced over (and FSDP shards across): data x context
     m = candidate.microbatches(workload)
     s = workload.seq_len
-    tokens_mb = candidate.micro_batch * s
+    tokens_mb = candidate.micro_batch * s / c  # context parallel: each rank a part of every sequence
     blocks = rank_blocks(shape, p)
     smallest = min(tokens_mb, max(shape.d_model // t, 1))
     rate = peak * eff.compute * smallest / (smallest + eff.matmul_half)
+    head_rate = rate
+    if candidate.float8:  # the blocks' linears in float8; the head and attention stay in the compute dtype
+        fp8 = cluster.device.peak("float8")
+        if not fp8:
+            raise ValueError(f"{cluster.device.name} has no float8 peak: plan float8 layouts on H100-class devices.")
+        rate = fp8 * eff.compute * eff.float8_gemm * smallest / (smallest + eff.matmul_half)
     # A fused causal attention kernel executes half the FLOPs MFU counts, at its own rate; without one
     # (``attention`` 0) the full product runs as plain matmuls.
     if eff.attention:
@@ -118,7 +125,7 @@ def estimate_time(
     gemm_flops = shape.block_flops_per_token(s) * tokens_mb / t - attention_flops
     block_time = gemm_flops / rate + attention_flops * executed / attention_rate
     recomputed = candidate.checkpointed_blocks(blocks)
-    compute = (blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t) / rate
+    compute = blocks * gemm_flops / rate + shape.head_flops_per_token() * tokens_mb / t / head_rate
     attention = blocks * attention_flops * executed / attention_rate
     recompute = recomputed * block_time / 3
     # Memory-bound operators: norms, residual adds, activations, head-major copies, the loss's softmax.
@@ -128,6 +135,8 @@ def estimate_time(
     # Split over tensor parallelism (the norms' and residuals' only under sequence parallelism: the
     # difference is small beside the heads' and the MLP's); the loss's over the vocabulary-parallel head.
     block_bytes = shape.elementwise_bytes_per_token(a, residual) / t * tokens_mb
+    if candidate.float8:  # each linear's input, weight and output gradient scaled (amax) and cast, unfused
+        block_bytes += (shape.float8_cast_elements_per_token() * tokens_mb + 2 * shape.block_matmul_parameters) * 5 / t
     elementwise = eff.elementwise * ((blocks + recomputed / 3) * block_bytes + shape.loss_bytes_per_token(a) / t * tokens_mb) / hbm
 
     # A collective's step waits for every member to run: processes sharing cores wait their turn too.
@@ -145,6 +154,14 @@ def estimate_time(
     tp_time += tp_collectives * issued if t > 1 else 0.0
     tp_time = _exposed(tp_time, compute, eff.tp_overlap)
 
+    # Context parallel (ring attention): each block's keys and values pass around the ring forward, and
+    # again with their gradients backward, behind the attention they feed.
+    cp_time = 0.0
+    if c > 1:
+        kv_bytes = 2 * shape.kv_width * tokens_mb * a / t
+        cp_time = collective_time(cluster, eff, "all_gather", 3 * (blocks + recomputed) * c * kv_bytes, c, t * p, 3 * (blocks + recomputed))
+        cp_time = _exposed(cp_time, attention_flops * executed / attention_rate * (blocks + recomputed), eff.dp_overlap)
+
     p2p = 0.0
     if p > 1:
         bandwidth, latency = point_to_point_bandwidth(cluster, eff, placement(cluster, p, t).nodes > 1)
@@ -157,7 +174,7 @@ def estimate_time(
     # A recomputed forward runs the block's operators again: a third of its FLOPs, and the forward's share
     # of its fixed cost.
     overhead = (blocks + eff.forward_overhead * recomputed) * eff.overhead * slowdown
-    per_mb = compute + attention + elementwise + recompute + tp_time + p2p + overhead
+    per_mb = compute + attention + elementwise + recompute + tp_time + cp_time + p2p + overhead
     bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
     pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
 
@@ -182,7 +199,7 @@ def estimate_time(
             gathered = params_rank * (a if mixed else pbytes)
             gather = gathers * collective_time(cluster, eff, "all_gather", gathered, shard, stride, units)
             reduce = collective_time(cluster, eff, "reduce_scatter", grads, shard, stride, units)
-            if candidate.dp_mode == "hsdp" and d > shard:
+            if candidate.dp_mode == "hsdp" and d > shard:  # the replicas: data x context ranks over the shard
                 reduce += collective_time(cluster, eff, "all_reduce", grads / shard, d // shard, stride * shard, units)
             gather, reduce = framework * gather + gathers * units * issued, framework * reduce + units * issued
             # Gathers are prefetched behind the passes they serve (every micro-batch's forward, and backward
@@ -207,6 +224,7 @@ def estimate_time(
         "elementwise": m * elementwise,
         "recompute": m * recompute,
         "tensor_parallel": m * tp_time,
+        "context_parallel": m * cp_time,
         "pipeline_transfers": m * p2p,
         "overhead": m * overhead,
         "bubble": (pipeline - m * per_mb) / slowdown,
@@ -220,7 +238,7 @@ def estimate_time(
     group = {k: v for k, v in describe_group(cluster, eff, d, t * p).items() if k != "group"} if d > 1 else {}
     details: dict[str, dict[str, float | str]] = {
         "compute": {"gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
-                    "microbatches": m, "gemm_rate": rate, "smallest_gemm_dim": smallest},
+                    "microbatches": m, "gemm_rate": rate, "smallest_gemm_dim": smallest, "float8": str(candidate.float8)},
         "attention": {"flops_counted_per_microbatch": blocks * attention_flops, "executed_share": executed,
                       "attention_rate": attention_rate, "seq_len": s},
         "elementwise": {"bytes_per_microbatch": elementwise * hbm, "memory_bandwidth_achieved": hbm,
@@ -228,6 +246,8 @@ def estimate_time(
         "recompute": {"checkpointed_blocks": recomputed, "blocks": blocks},
         "tensor_parallel": {**describe_group(cluster, eff, t, 1), "bytes_per_microbatch": (4 * blocks + 2 * recomputed + 1) * tp_bytes,
                             "collectives_per_microbatch": tp_collectives if t > 1 else 0, "overlap": eff.tp_overlap},
+        "context_parallel": {**describe_group(cluster, eff, c, t * p), "kv_bytes_per_block": 2 * shape.kv_width * tokens_mb * a / t,
+                             "overlap": eff.dp_overlap},
         "pipeline_transfers": {"sends_per_microbatch": 2 * candidate.stages_per_rank if p > 1 else 0,
                                "bytes_per_send": tokens_mb * shape.d_model / (t if candidate.sequence_parallel else 1) * a if p > 1 else 0.0,
                                "crosses_nodes": str(p > 1 and placement(cluster, p, t).nodes > 1)},

@@ -159,7 +159,7 @@ class AutoLayout:
         if strategy.global_rank == 0:
             system = run_cluster(trainer, workload, preset)
             ranked = plan(shape, workload, system, dp_modes=_dp_modes(strategy.num_nodes), gradient_accumulation=False,
-                          max_micro_batch=workload.global_batch)  # fmt: skip
+                          max_micro_batch=workload.global_batch, context_parallel=(1,), float8=(False,))  # fmt: skip
             runnable = _runnable(module)
             ranked = [e for e in ranked if runnable(e.candidate)]  # dp x 1 x 1 always is
             constrained = _constrained(ranked, strategy.options.constraints(), workload)
