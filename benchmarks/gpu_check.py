@@ -16,7 +16,9 @@ steps after the warm-up:
 - ``joules_per_step``: NVML's energy counter over the timed steps (``None`` where NVML cannot read it);
 - ``planner``: the planner's prediction for the same run (``results.json``'s record,
   :func:`lightning_scale.strategies.hybrid.planning.prediction_record`) against ``torch.cuda.max_memory_allocated``
-  (``memory_error``) and the measured step time (``step_time_error``).
+  (``memory_error``), the measured step time (``step_time_error``) and MFU (``mfu_error``), with every
+  predicted time and memory term and the planner's inputs, so one run calibrates it (the attention and
+  elementwise terms beside ``step_time``'s measured spans say which rate is off).
 
 On a machine without a CUDA GPU it says so, prints ``BENCH gpu_check {"skipped": ...}`` and exits 0.
 Prints ``BENCH gpu_check {json}`` last and writes benchmarks/results/gpu_check.json.
@@ -153,6 +155,13 @@ def _run(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             "memory_error": (planned.get("error") or {}).get("memory_per_device_bytes"),
             "step_time_s": (planned.get("predicted") or {}).get("step_time_s"),
             "step_time_error": (planned.get("error") or {}).get("step_time_s"), "efficiency": planned.get("efficiency"),
+            "mfu": (planned.get("predicted") or {}).get("mfu"),
+            "mfu_error": (planned["predicted"]["mfu"] / m["train/mfu"] - 1) if m.get("train/mfu") and planned.get("predicted") else None,
+            # Every term beside the measured spans: compute, attention and elementwise (the per-operation rates),
+            # the optimizer, what calibration refits (``lightning-scale-plan calibrate`` reads the same record).
+            "time_terms": (planned.get("predicted") or {}).get("time_terms"),
+            "memory_terms_gib": {k: v / 2**30 for k, v in ((planned.get("predicted") or {}).get("memory_terms") or {}).items()},
+            "inputs": planned.get("inputs"),
             "problem": planned.get("error") if isinstance(planned.get("error"), str) else None,
         },
     }

@@ -232,3 +232,8 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(
     # The planner's prediction for the same run (on a GPU also against torch.cuda.max_memory_allocated).
     assert report["planner"]["layout"] == "dp1-tp1-pp1-mb8" and report["planner"]["step_time_s"] > 0
     assert report["planner"]["problem"] is None and report["planner"]["memory_gib"] > 0
+    # Every term and the inputs beside the measurement, so a GPU session calibrates from one run.
+    planner = report["planner"]
+    assert {"compute", "attention", "elementwise", "optimizer"} <= set(planner["time_terms"])
+    assert planner["mfu"] > 0 and planner["mfu_error"] == pytest.approx(planner["mfu"] / report["mfu"] - 1)
+    assert planner["inputs"]["candidate"]["dp"] == 1 and planner["memory_terms_gib"]["parameters"] > 0
