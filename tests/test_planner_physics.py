@@ -208,3 +208,17 @@ def test_planned_only_dimensions_are_searched_where_they_exist_and_marked() -> N
     assert {c.float8 for c in candidates(shape, Workload(64, 8192, "32-true"), cluster("h100-sxm"))} == {False}
     trainable = list(candidates(shape, Workload(64, 8192, "bf16-mixed"), cluster("h100-sxm"), context_parallel=(1,), float8=(False,)))
     assert trainable and all(c.trainable for c in trainable)
+
+
+def test_megatrons_pipeline_sends_are_split_over_the_tensor_parallel_ranks() -> None:
+    """Narayanan et al. 2021, section 4.1: each tensor-parallel rank sends 1/tp of the activation (torch's
+    pipelining: the whole of it from each); under sequence parallelism it is split anyway."""
+    from lightning_scale.core.planner.cluster import A100_FLASH, A100_MEGATRON
+
+    shape, workload = model_shape(PRESETS["7b"]), Workload(64, 2048, "bf16-mixed")
+    node = cluster("a100-sxm-80", nodes=4)
+    c = Candidate(1, 8, 4, micro_batch=1)  # no sequence parallelism; each stage on its own node
+    whole = estimate_time(shape, workload, c, node, dataclasses.replace(A100_MEGATRON, pipeline_scatter_gather=False, latency=0.0))
+    split = estimate_time(shape, workload, c, node, dataclasses.replace(A100_MEGATRON, latency=0.0))
+    assert split.terms["pipeline_transfers"] == pytest.approx(whole.terms["pipeline_transfers"] / 8)
+    assert A100_MEGATRON.pipeline_scatter_gather and not A100_FLASH.pipeline_scatter_gather and not HOPPER.pipeline_scatter_gather

@@ -135,6 +135,11 @@ class Efficiency:
     tp_overlap: float = 0.0
     """Share of the tensor-parallel communication hidden behind the GEMMs around it (Transformer Engine's
     userbuffer overlap, torch's async TP); 0 for DTensor's plain collectives, which run in turn."""
+    pipeline_scatter_gather: bool = False
+    """Pipeline sends split over the tensor-parallel ranks (each sends ``1 / tp`` of the activation, the
+    receivers all-gather it over the intra-node link: Megatron-LM's scatter/gather optimisation, Narayanan
+    et al. 2021, section 4.1); False: every tensor-parallel rank sends the whole activation (torch's
+    pipelining). Under sequence parallelism the activation is split anyway."""
     memory: float = 0.7
     """Fraction of the memory bandwidth elementwise kernels reach (the optimizer update, ``elementwise``)."""
     float8_gemm: float = 0.88
@@ -167,9 +172,10 @@ class Efficiency:
 
 
 A100_MEGATRON = Efficiency(
-    compute=0.6, matmul_half=64.0, intra_link=0.78, inter_link=0.78, dp_overlap=0.0,
+    compute=0.6, matmul_half=64.0, intra_link=0.78, inter_link=0.78, dp_overlap=0.0, pipeline_scatter_gather=True,
     source="A100 defaults (Megatron-LM), not calibrated: links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 "
-    "of 300 GB/s); no data-parallel overlap "
+    "of 300 GB/s); pipeline sends scattered over the tensor-parallel ranks (Narayanan et al. 2021, 4.1); no "
+    "data-parallel overlap "
     "(Megatron-LM reduced its gradients after the backward until 2023); compute and matmul_half fitted on a grid "
     "to the 10 rows of Narayanan et al. 2021, Table 1 (lightning_scale.core.planner.published): Megatron-LM on "
     "DGX A100",
@@ -235,9 +241,12 @@ HOPPER = Efficiency(
 """H100/H200 systems before calibration."""
 A100_FLASH = dataclasses.replace(
     A100_MEGATRON, attention=0.625, attention_half=530.0, elementwise=1.0, memory=0.8, dp_overlap=Efficiency.dp_overlap,
-    source="A100 defaults (flash attention), not calibrated: " + A100_MEGATRON.source.split(": ", 1)[1]
-    + "; attention from FlashAttention-2 on A100 (causal, head dim 128, forward and backward: 155 TFLOP/s at 2k, "
-    "189 at 16k), eager elementwise traffic at 0.8 of HBM; data-parallel communication overlapped as DDP and FSDP2 do",
+    pipeline_scatter_gather=False,
+    source="A100 defaults (flash attention), not calibrated: the GEMM rate and size of A100_MEGATRON (fitted on "
+    "Narayanan et al. 2021), links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 of 300 GB/s); attention from "
+    "FlashAttention-2 on A100 (causal, head dim 128, forward and backward: 155 TFLOP/s at 2k, 189 at 16k), eager "
+    "elementwise traffic at 0.8 of HBM; data-parallel communication overlapped as DDP and FSDP2 do; whole "
+    "activations sent between pipeline stages, as torch's pipelining does",
 )
 """A100 systems: Megatron's fitted GEMM and link constants, attention and eager elementwise traffic from kernel
 benchmarks."""

@@ -165,7 +165,7 @@ def estimate_time(
     p2p = 0.0
     if p > 1:
         bandwidth, latency = point_to_point_bandwidth(cluster, eff, placement(cluster, p, t).nodes > 1)
-        width = shape.d_model / (t if candidate.sequence_parallel else 1)
+        width = shape.d_model / (t if candidate.sequence_parallel or eff.pipeline_scatter_gather else 1)
         # Each of the rank's stages (several under interleaved and V-shaped schedules) receives its input
         # and sends its output, forward and backward.
         sends = 2 * candidate.stages_per_rank
