@@ -231,11 +231,11 @@ class Cluster:
 
 
 HOPPER = Efficiency(
-    compute=0.7, matmul_half=256.0, attention=0.343, attention_half=576.0, elementwise=1.0, memory=0.8,
+    compute=0.65, matmul_half=256.0, attention=0.343, attention_half=576.0, elementwise=1.0, memory=0.8,
     intra_link=0.7, inter_link=0.85,
     source="H100/H200 defaults, not calibrated: attention from FlashAttention-2 on H100 (causal, head dim 128, "
     "forward and backward: 265 TFLOP/s at 2k, 328 at 16k); inter-node from nccl-tests (~350 GB/s bus bandwidth "
-    "on nodes of 8 H200s with 8 NDR NICs); GEMM size from XLA's H100 table; the GEMM rate (0.7 of the peak) "
+    "on nodes of 8 H200s with 8 NDR NICs); GEMM size from XLA's H100 table; the GEMM rate (0.65 of the peak) "
     "fitted to Megatron-Core's H100 weak-scaling table (docs/planner.md, Constants)",
 )
 """H100/H200 systems before calibration."""

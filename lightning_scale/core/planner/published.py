@@ -195,7 +195,8 @@ def _records() -> tuple[PublishedRecord, ...]:
         shape = _gpt(f"GPT-{label}", layers, hidden, heads, 131072, 4096)
         out.append(PublishedRecord("megatron_core_2024", label, shape, gpus, tp, pp, batch, 4096,
                                    tflops * 1e12 / shape.flops_per_token(4096), dp_mode="fsdp_grad_op", sequence_parallel=tp > 1,
-                                   schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))))  # fmt: skip
+                                   schedules=(("1f1b", 1), *(("interleaved_1f1b", v) for v in range(2, layers // pp + 1)
+                                                             if (layers // pp) % v == 0 and layers % pp == 0))))  # fmt: skip
     for i, (model, seq, gpus, micro, accumulation, ckpt, mode, tokens, _mfu) in enumerate(FOUNDRY):
         layers, hidden, heads = FOUNDRY_SHAPES[model]
         fp8 = i >= len(FOUNDRY) - FOUNDRY_FP8

@@ -26,7 +26,8 @@ MCORE = (  # params, heads, hidden, layers, tp, pp, GPUs, global batch, TFLOP/s 
     ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
 )
 """Sequence 4,096, vocabulary 131,072, data parallel 48 in every row; micro-batch, schedule and
-recomputation are not published (the planner's fastest). Megatron-Core's distributed optimizer
+recomputation are not published (the planner's fastest; Megatron interleaves any number of stages a rank
+that divides its blocks). Megatron-Core's distributed optimizer
 reduce-scatters the gradients and all-gathers the parameters once a step, as ``fsdp_grad_op`` does
 under a pipeline (its memory differs: only the optimizer state is sharded). The TFLOP/s count ``6 N + 12 L H Q T`` per token
 (Megatron-Core's ``num_floating_point_operations``, the planner's own count), so tokens/s per GPU =
