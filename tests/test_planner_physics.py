@@ -188,11 +188,12 @@ def test_context_parallel_splits_each_sequence_and_passes_keys_and_values_around
     assert four.world_size == 8 and four.data_shards == 8 and not four.trainable and one.trainable
     assert four.layout == "fsdp2-tp1-pp1-cp4"
     node2 = cluster("h100-sxm", devices_per_node=2)
-    t1, t4 = estimate_time(shape, workload, one, node2, NO_LATENCY), estimate_time(shape, workload, four, node, NO_LATENCY)
+    t1, t4 = estimate_time(shape, workload, one, node2, NO_LATENCY), estimate_time(shape, workload, four, node, NO_LATENCY, explain=True)
     assert t4.terms["attention"] == pytest.approx(t1.terms["attention"] / 4)
     kv = 2 * shape.kv_width * 32768 / 4 * 2  # a block's keys and values on one rank, bf16
     ring = collective_time(node, NO_LATENCY, "all_gather", 3 * shape.n_layers * 4 * kv, 4, 1)
     assert t4.details["context_parallel"]["kv_bytes_per_block"] == kv
+    assert not t1.details  # a search's estimates leave the inputs out
     per_microbatch = t4.terms["attention"] / 4  # 4 micro-batches; the ring hides behind each one's attention
     assert t4.terms["context_parallel"] == pytest.approx(4 * max(ring - 0.8 * per_microbatch, 0.2 * ring))
     m1, m4 = (estimate_memory(shape, workload, c) for c in (one, four))

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_scale.cli.plan_sizing import describe, law_named, size_for_budget
 from lightning_scale.core.checks import format_choices
-from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, model_shape, plan
+from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
 from lightning_scale.core.planner.calibration import calibrated
 from lightning_scale.core.telemetry.cost import OFFERS, Price
 
@@ -246,7 +246,10 @@ def run(cfg: DictConfig) -> int:
             near = ", ".join(e.name for e in ranked[:5])
             print(f"lightning-scale-plan: error: no layout named {cfg.plan.explain!r}; the best are: {near}", file=sys.stderr)
             return 2
-        print(explain(chosen[0]))
+        shape, workload, system = _setup(cfg)  # the chosen layout again, with each term's inputs
+        budget = cfg.plan.token_budget
+        print(explain(estimate(shape, workload, chosen[0].candidate, system, headroom=float(cfg.plan.headroom),
+                               token_budget=float(budget) if budget else None, explain=True)))  # fmt: skip
     else:
         print(table(ranked, int(cfg.plan.top)))
     if not ranked[0].fits:

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
-from lightning_scale.core.telemetry.cost import PRICES as PRICES_BY_KEY
-from lightning_scale.core.telemetry.cost import Price
+from lightning_scale.core.telemetry.cost import PRICES as PRICES_BY_KEY, Price
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
 __all__ = ["A100_FLASH", "CLUSTERS", "DEVICES", "HOPPER", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster",

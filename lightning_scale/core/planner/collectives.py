@@ -40,17 +40,26 @@ class Placement:
 def placement(cluster: Cluster, size: int, stride: int) -> Placement:
     """Where a group of ``size`` ranks ``stride`` apart lies: ranks fill a node before the next (the
     launchers' order), so ``devices_per_node // stride`` members share a node (at least 1)."""
-    per_node = max(1, min(size, cluster.devices_per_node // stride)) if stride <= cluster.devices_per_node else 1
+    per_node = max(1, min(size, cluster.devices_per_node // stride))
     return Placement(size, per_node, math.ceil(size / per_node))
+
+
+def _intra(cluster: Cluster, eff: Efficiency) -> float:
+    """Achieved bytes/s per device of the intra-node link (a CPU's processes sharing cores slow it)."""
+    return cluster.intra.bandwidth * eff.intra_link / cluster.device.slowdown
+
+
+def _nics(cluster: Cluster, eff: Efficiency, per_node: int) -> float:
+    """Achieved bytes/s of ``per_node`` devices' share of their node's NICs."""
+    return per_node * cluster.nic_share * eff.inter_link / cluster.device.slowdown
 
 
 def _bus_bandwidth(cluster: Cluster, eff: Efficiency, where: Placement) -> float:
     """Achieved bytes/s per device of the group's collectives."""
-    intra = cluster.intra.bandwidth * eff.intra_link / cluster.device.slowdown
     if where.nodes == 1:
-        return intra
-    inter = where.per_node * cluster.nic_share * eff.inter_link / cluster.device.slowdown
-    return min(intra, inter) if where.per_node > 1 else inter
+        return _intra(cluster, eff)
+    inter = _nics(cluster, eff, where.per_node)
+    return min(_intra(cluster, eff), inter) if where.per_node > 1 else inter
 
 
 def collective_time(
@@ -76,8 +85,8 @@ def point_to_point_bandwidth(cluster: Cluster, eff: Efficiency, crosses_nodes: b
     its share of the node's NICs."""
     lag = eff.latency * cluster.device.slowdown
     if crosses_nodes:
-        return cluster.nic_share * eff.inter_link / cluster.device.slowdown, cluster.inter.latency * lag
-    return cluster.intra.bandwidth * eff.intra_link / cluster.device.slowdown, cluster.intra.latency * lag
+        return _nics(cluster, eff, 1), cluster.inter.latency * lag
+    return _intra(cluster, eff), cluster.intra.latency * lag
 
 
 def describe_group(cluster: Cluster, eff: Efficiency, size: int, stride: int) -> dict[str, float | str]:
@@ -89,5 +98,5 @@ def describe_group(cluster: Cluster, eff: Efficiency, size: int, stride: int) ->
         link = cluster.intra.name
     else:
         nics = where.per_node * cluster.nics_per_node / cluster.devices_per_node
-        link = f"{cluster.inter.name} x {nics:g} NIC(s) per node" if bandwidth < cluster.intra.bandwidth * eff.intra_link else cluster.intra.name
+        link = f"{cluster.inter.name} x {nics:g} NIC(s) per node" if bandwidth < _intra(cluster, eff) else cluster.intra.name
     return {"group": size, "per_node": where.per_node, "nodes": where.nodes, "link": link, "bus_bandwidth": bandwidth}

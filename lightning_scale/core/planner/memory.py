@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
 from lightning_scale.core.planner.shape import ModelShape
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fsdp_mixed_precision", "in_flight", "rank_blocks"]
+__all__ = ["MemoryEstimate", "estimate_memory", "fsdp_mixed_precision", "in_flight", "rank_blocks", "residual_bytes"]
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,10 @@ def fsdp_mixed_precision(workload: Workload, candidate: Candidate) -> bool:
     return candidate.dp_mode in ("fsdp", "fsdp_grad_op", "hsdp") and candidate.data_shards > 1 and pbytes > a
 
 
-def _residual_bytes(workload: Workload, candidate: Candidate | None = None) -> int:
+def residual_bytes(workload: Workload, candidate: Candidate) -> int:
     """Bytes per element of the residual stream (fp32 under autocast, 16-bit under FSDP2's mixed
     precision, which casts each block's input) and of the norms' inputs."""
-    if candidate is not None and fsdp_mixed_precision(workload, candidate):
+    if fsdp_mixed_precision(workload, candidate):
         return PRECISION_BYTES[workload.precision][2]
     return 4 if workload.precision in ("32-true", "bf16-mixed", "16-mixed") else 2
 
@@ -140,7 +140,7 @@ def _residual_bytes(workload: Workload, candidate: Candidate | None = None) -> i
 def _block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Candidate) -> tuple[float, float]:
     """(bytes one block saves per micro-batch, bytes a checkpointed block keeps: its input)."""
     pbytes, _, a = PRECISION_BYTES[workload.precision]
-    r = _residual_bytes(workload, candidate)
+    r = residual_bytes(workload, candidate)
     t = candidate.tp
     sp = t if candidate.sequence_parallel else 1
     tokens = candidate.micro_batch * workload.seq_len / candidate.cp  # context parallel: a part of each sequence
@@ -191,7 +191,7 @@ def _rank_estimate(
     if candidate.schedule in ("zbv", "dualpipev") and p > 1:
         first = last = rank == 0  # V-shaped: rank 0 runs the first and the last stage
     pbytes, gbytes, a = PRECISION_BYTES[workload.precision]
-    r = _residual_bytes(workload, candidate)
+    r = residual_bytes(workload, candidate)
     mixed = fsdp_mixed_precision(workload, candidate)
     gathered = a if mixed else pbytes  # FSDP2 gathers (and computes gradients) in the compute dtype
     params, matmul = _rank_parameters(shape, candidate, first, last)
@@ -288,7 +288,7 @@ def estimate_memory(
                 f"use 0 to {candidate.pp - 1}, or None for the most loaded."
             )
         ranks = [pipeline_rank]
-    best: tuple[float, dict[str, float], int] | None = None
+    best: tuple[float, dict[str, float], int, float] | None = None
     for rank in ranks:
         terms = _rank_estimate(shape, workload, candidate, rank, framework=framework)
         params, matmul = _rank_parameters(shape, candidate, rank == 0, rank == candidate.pp - 1)
@@ -307,11 +307,10 @@ def estimate_memory(
         terms["optimizer_step"] = max(0.0, step_peak)
         total = sum(terms.values())
         if best is None or total > best[0]:
-            best = (total, terms, rank)
+            best = (total, terms, rank, params)
     assert best is not None
-    _, terms, rank = best
+    _, terms, rank, params = best
     where = "only" if candidate.pp == 1 else {0: "first", candidate.pp - 1: "last"}.get(rank, f"rank {rank}")
-    params, _ = _rank_parameters(shape, candidate, rank == 0, rank == candidate.pp - 1)
     saved, _ = _block_activation_bytes(shape, workload, candidate)
     m = candidate.microbatches(workload)
     inputs = {"microbatches": m, "parameters_on_rank": params, "blocks_on_rank": rank_blocks(shape, candidate.pp),

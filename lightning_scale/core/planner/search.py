@@ -159,10 +159,11 @@ def estimate(
     token_budget: float | None = None,
     peak: float | None = None,
     framework: float = 0.0,
+    explain: bool = False,
 ) -> Estimate:
-    """Memory, time, throughput and cost of one layout."""
+    """Memory, time, throughput and cost of one layout (``explain``: with each time term's inputs)."""
     memory = estimate_memory(shape, workload, candidate, framework=framework, foreach=cluster.device.chip != "cpu")
-    time = estimate_time(shape, workload, candidate, cluster, efficiency, peak=peak)
+    time = estimate_time(shape, workload, candidate, cluster, efficiency, peak=peak, explain=explain)
     step = time.step_time
     tokens_per_sec = workload.tokens / step
     peak_flops = time.inputs["peak_flops"]

@@ -56,7 +56,7 @@ from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner.cluster import Cluster, Efficiency
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
 from lightning_scale.core.planner.collectives import collective_time, describe_group, placement, point_to_point_bandwidth
-from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks
+from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks, residual_bytes
 from lightning_scale.core.planner.shape import ModelShape
 
 __all__ = ["Efficiency", "TimeEstimate", "estimate_time"]  # Efficiency: defined with the clusters
@@ -74,7 +74,8 @@ class TimeEstimate:
     hardware_flops: float
     inputs: dict[str, float] = field(default_factory=dict)
     details: dict[str, dict[str, float | str]] = field(default_factory=dict)
-    """Per term, what it was computed from (``lightning-scale-plan --explain`` prints them)."""
+    """Per term, what it was computed from (``lightning-scale-plan --explain`` prints them); empty unless
+    :func:`estimate_time` was asked to ``explain``."""
 
     @property
     def step_time(self) -> float:
@@ -89,10 +90,11 @@ def _exposed(seconds: float, window: float, overlap: float) -> float:
 
 def estimate_time(
     shape: ModelShape, workload: Workload, candidate: Candidate, cluster: Cluster, efficiency: Efficiency | None = None,
-    *, peak: float | None = None,
+    *, peak: float | None = None, explain: bool = False,
 ) -> TimeEstimate:
     """The step time of ``candidate`` on ``cluster`` (at ``efficiency``, else the cluster's); ``peak``
-    overrides the device's FLOP/s (a CPU's measured one)."""
+    overrides the device's FLOP/s (a CPU's measured one); ``explain``: also each term's inputs
+    (:attr:`TimeEstimate.details`; left out of a search's thousands of estimates)."""
     eff = efficiency or cluster.efficiency
     pbytes, gbytes, a = PRECISION_BYTES[workload.precision]
     peak = peak or cluster.device.peak(workload.compute_dtype)
@@ -131,7 +133,7 @@ def estimate_time(
     # Memory-bound operators: norms, residual adds, activations, head-major copies, the loss's softmax.
     hbm = cluster.device.memory_bandwidth * eff.memory
     mixed = fsdp_mixed_precision(workload, candidate)
-    residual = a if mixed or pbytes == a else 4
+    residual = residual_bytes(workload, candidate)
     # Split over tensor parallelism (the norms' and residuals' only under sequence parallelism: the
     # difference is small beside the heads' and the MLP's); the loss's over the vocabulary-parallel head.
     block_bytes = shape.elementwise_bytes_per_token(a, residual) / t * tokens_mb
@@ -235,6 +237,8 @@ def estimate_time(
     hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
     inputs = {"peak_flops": peak, "matmul_rate": rate, "attention_rate": attention_rate, "memory_bandwidth": hbm,
               "microbatches": m, "bubble_fraction": bubble, "slowdown": slowdown, **dp_inputs}  # fmt: skip
+    if not explain:
+        return TimeEstimate(terms, model_flops, hardware_flops, inputs)
     group = {k: v for k, v in describe_group(cluster, eff, d, t * p).items() if k != "group"} if d > 1 else {}
     details: dict[str, dict[str, float | str]] = {
         "compute": {"gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
