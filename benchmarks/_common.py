@@ -68,8 +68,14 @@ class BatchEndGaps(Callback):
         return [b - a for a, b in zip(self.ends, self.ends[1:])][warmup:]
 
 
-STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-              "on_before_optimizer_step", "on_before_zero_grad")  # fmt: skip
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+)
 START_HOOKS = ("setup", "on_fit_start", "on_train_start")
 
 
@@ -91,7 +97,9 @@ class HookTime:
             per_step = name in STEP_HOOKS
             key = f"{type(callback).__name__}.{name}"
 
-            def timed(*args: Any, _method: Any = method, _per_step: bool = per_step, _key: str = key, **kwargs: Any) -> Any:
+            def timed(
+                *args: Any, _method: Any = method, _per_step: bool = per_step, _key: str = key, **kwargs: Any
+            ) -> Any:
                 begin = time.perf_counter()
                 try:
                     return _method(*args, **kwargs)
@@ -149,9 +157,15 @@ def fit_arguments(
 def fit_report(args: argparse.Namespace, world: int) -> dict[str, Any]:
     """The first fields of such a benchmark's report: what was fitted, how often, on how many processes."""
     return {
-        "model": args.preset, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
-        "threads": args.threads, "processes": world, "strategy": f"HybridParallelStrategy(data_parallel={world})",
-    }  # fmt: skip
+        "model": args.preset,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "processes": world,
+        "strategy": f"HybridParallelStrategy(data_parallel={world})",
+    }
 
 
 def timed(fn: Callable[[], Any], steps: int) -> list[float]:
@@ -167,9 +181,15 @@ def timed(fn: Callable[[], Any], steps: int) -> list[float]:
 def join_process_group(rank: int, world: int, port: int, **env: str) -> None:
     """In a worker: one thread, the environment Lightning reads, and the gloo group on the parent's store."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env,
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **env,
+    )
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=600))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -199,7 +219,9 @@ def run_workers(worker: Callable[..., None], world: int, args: argparse.Namespac
             if dead or time.monotonic() > deadline:
                 for proc in procs:
                     proc.kill()
-                raise RuntimeError(f"workers failed before reporting (rank, exit code): {dead or 'timed out'}") from None
+                raise RuntimeError(
+                    f"workers failed before reporting (rank, exit code): {dead or 'timed out'}"
+                ) from None
     for proc in procs:
         proc.join(timeout=120)
     return result

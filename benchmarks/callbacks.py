@@ -54,10 +54,9 @@ import time
 from typing import Any
 
 import torch
+from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ThroughputMonitor
-
-from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
 
 from lightning_scale.callbacks.group import CallbackGroup, group_callbacks
 from lightning_scale.data import TextDataModule
@@ -93,7 +92,9 @@ def _callbacks(variant: str, hooks: HookTime) -> list[Callback]:
             hooks.instrument(group)  # the group's hooks: its step records and the members it calls
         return callbacks
     if variant == "lightning":
-        return [hooks.instrument(ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel()))]
+        return [
+            hooks.instrument(ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0], length_fn=lambda b: b[0].numel()))
+        ]
     return []
 
 
@@ -101,7 +102,9 @@ class _Interleave(Callback):
     """Last in the callback list: each step's time into its cycle and variant, and after each step the
     Trainer's callbacks set to the next step's variant (both ranks alike: the logging steps' collectives match)."""
 
-    def __init__(self, variants: dict[str, list[Callback]], hooks: dict[str, HookTime], every: int, warmup: int, steps: int) -> None:
+    def __init__(
+        self, variants: dict[str, list[Callback]], hooks: dict[str, HookTime], every: int, warmup: int, steps: int
+    ) -> None:
         self.variants, self.hooks, self.every, self.warmup, self.steps = variants, hooks, every, warmup, steps
         self.gaps: dict[int, dict[str, list[float]]] = {}  # cycle -> variant -> step gaps
         self.hook_s = {name: 0.0 for name in hooks}  # each variant's per-step hooks, summed over its steps
@@ -175,11 +178,20 @@ def _fit(args: argparse.Namespace) -> tuple[_Interleave, dict[str, float]]:
     variants = {name: _callbacks(name, hooks.get(name, HookTime())) for name in VARIANTS}
     interleave = _Interleave(variants, hooks, args.log_every, args.warmup, args.steps)
     trainer = Trainer(
-        accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD), max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, gradient_clip_val=1.0, plugins=[MixedPrecision("32-true")],
-        log_every_n_steps=args.log_every, callbacks=[*variants["ours"], *variants["lightning"], interleave],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=HybridParallelStrategy(data_parallel=WORLD),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        plugins=[MixedPrecision("32-true")],
+        log_every_n_steps=args.log_every,
+        callbacks=[*variants["ours"], *variants["lightning"], interleave],
+    )
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
     return interleave, {name: h.start_seconds for name, h in hooks.items()}
@@ -191,23 +203,49 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     fits = []
     for _ in range(args.rounds):
         interleave, start_s = _fit(args)
-        fits.append((interleave.gaps, interleave.hook_s, interleave.steps_run, start_s, interleave.gc_s, interleave.gc_runs,
-                     interleave.hooks["ours"].by_hook))
+        fits.append(
+            (
+                interleave.gaps,
+                interleave.hook_s,
+                interleave.steps_run,
+                start_s,
+                interleave.gc_s,
+                interleave.gc_runs,
+                interleave.hooks["ours"].by_hook,
+            )
+        )
     if rank == 0:
         queue.put(fits)
 
 
 def main() -> None:
     args = fit_arguments(
-        __doc__, "callbacks", rounds=3, steps=1510, steps_help="optimizer steps per fit (cycles of 3 logging intervals, plus warm-up)",
+        __doc__,
+        "callbacks",
+        rounds=3,
+        steps=1510,
+        steps_help="optimizer steps per fit (cycles of 3 logging intervals, plus warm-up)",
         extra=lambda p: (
-            p.add_argument("--log-every", type=int, default=50, help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them"),
-            p.add_argument("--time-hooks", action="store_true", help="also time every per-step hook (a wrapper each: the overhead then includes them)"),
+            p.add_argument(
+                "--log-every",
+                type=int,
+                default=50,
+                help="log_every_n_steps (Lightning's default; the command line's is 10); a cycle is 3 of them",
+            ),
+            p.add_argument(
+                "--time-hooks",
+                action="store_true",
+                help="also time every per-step hook (a wrapper each: the overhead then includes them)",
+            ),
         ),
-    )  # fmt: skip
+    )
     # Each round in two processes of their own: what differs from one process start to the next (the memory
     # layout the caches see) then shows in the spread over rounds, which the cycles of one round cannot show.
-    fits = [fit for _ in range(args.rounds) for fit in run_workers(_worker, WORLD, argparse.Namespace(**(vars(args) | {"rounds": 1})))]
+    fits = [
+        fit
+        for _ in range(args.rounds)
+        for fit in run_workers(_worker, WORLD, argparse.Namespace(**(vars(args) | {"rounds": 1})))
+    ]
     by_round: dict[str, list[float]] = {"none": [], "lightning": []}  # each round's mean of its cycles' ratios
     ratios: dict[str, list[float]] = {"none": [], "lightning": []}
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -250,7 +288,9 @@ def main() -> None:
         "cycles": len(ratios["none"]),
         "step_s": step,
         "overhead_fraction": statistics.median(ratios["none"]) - 1,
-        "overhead_quartiles": [q - 1 for q in statistics.quantiles(ratios["none"], n=4)] if len(ratios["none"]) > 1 else None,
+        "overhead_quartiles": [q - 1 for q in statistics.quantiles(ratios["none"], n=4)]
+        if len(ratios["none"]) > 1
+        else None,
         "overhead_mean": overhead_mean,
         "overhead_se": overhead_se,
         "overhead_of_means": step["ours"] / step["none"] - 1,
@@ -269,8 +309,12 @@ def main() -> None:
         report |= {
             "hook_s_per_step": hooks_per_step,
             "hook_fraction": hooks_per_step["ours"] / step["none"],
-            "hook_ratio_vs_throughput_monitor": (step["none"] + hooks_per_step["ours"]) / (step["none"] + hooks_per_step["lightning"]),
-            "hook_us_per_step_by_hook": {k: round(v / max(1, steps_run["ours"]) * 1e6, 1) for k, v in sorted(by_hook.items(), key=lambda kv: -kv[1])},
+            "hook_ratio_vs_throughput_monitor": (step["none"] + hooks_per_step["ours"])
+            / (step["none"] + hooks_per_step["lightning"]),
+            "hook_us_per_step_by_hook": {
+                k: round(v / max(1, steps_run["ours"]) * 1e6, 1)
+                for k, v in sorted(by_hook.items(), key=lambda kv: -kv[1])
+            },
         }
     emit("callbacks", report, args.out)
 

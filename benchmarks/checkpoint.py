@@ -47,10 +47,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _common import RESULTS, emit
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-from _common import RESULTS, emit
 
 from lightning_scale.models import GPT, GPTConfig
 from lightning_scale.plugins import ShardedCheckpointIO
@@ -144,12 +143,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=6, help="an even number: the disk bound goes first in half")
-    parser.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"], help="ShardedCheckpointIO(checksum=...)")
+    parser.add_argument(
+        "--checksum", default="crc32", choices=["crc32", "sha256"], help="ShardedCheckpointIO(checksum=...)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=RESULTS / "checkpoint.json")
     args = parser.parse_args()
     if args.rounds < 2 or args.rounds % 2:
-        parser.error(f"--rounds={args.rounds} must be an even number of at least 2 (each order of ours and the disk bound in half)")
+        parser.error(
+            f"--rounds={args.rounds} must be an even number of at least 2 (each order of ours and the disk bound in half)"
+        )
 
     model, checkpoint = _state(args)
     tensors = _tensors(checkpoint)
@@ -184,11 +187,17 @@ def main() -> None:
         """Ours and the disk bound back to back (the order alternating): the disk's speed on this VM
         drifts by up to 2x within minutes, so each round's ratio compares like with like."""
         path, raw = root / f"ours-{i}", root / f"raw-{i}.bin"
-        pairs = [("disk_write", lambda: disk_write(i)), ("ours_save", lambda: sync_io.save_checkpoint(checkpoint, path))]
+        pairs = [
+            ("disk_write", lambda: disk_write(i)),
+            ("ours_save", lambda: sync_io.save_checkpoint(checkpoint, path)),
+        ]
         for name, fn in pairs if i % 2 == 0 else pairs[::-1]:
             record(name, *_timed(fn))
         _evict(path), _evict(raw)
-        pairs = [("disk_read", lambda: disk_read(i)), ("ours_load", lambda: sync_io.load_checkpoint(path, template=template))]
+        pairs = [
+            ("disk_read", lambda: disk_read(i)),
+            ("ours_load", lambda: sync_io.load_checkpoint(path, template=template)),
+        ]
         for name, fn in pairs if i % 2 == 0 else pairs[::-1]:
             record(name, *_timed(fn))
         shutil.rmtree(path)
@@ -211,7 +220,16 @@ def main() -> None:
     def plain_dcp(i: int) -> None:
         path = root / f"dcp-{i}"
         flat = _flat(checkpoint)
-        record("dcp_save", *_timed(lambda: dcp.save(flat, storage_writer=FileSystemWriter(path, sync_files=True, thread_count=sync_io.thread_count), no_dist=True)))
+        record(
+            "dcp_save",
+            *_timed(
+                lambda: dcp.save(
+                    flat,
+                    storage_writer=FileSystemWriter(path, sync_files=True, thread_count=sync_io.thread_count),
+                    no_dist=True,
+                )
+            ),
+        )
         _evict(path)
         record("dcp_load", *_timed(lambda: dcp.load(flat, storage_reader=FileSystemReader(path), no_dist=True)))
         shutil.rmtree(path)
@@ -226,7 +244,13 @@ def main() -> None:
         pending: list[Any] = []
         record(
             "dcp_async_block",
-            *_timed(lambda: pending.append(dcp.async_save(flat, storage_writer=FileSystemWriter(path, thread_count=sync_io.thread_count), no_dist=True))),
+            *_timed(
+                lambda: pending.append(
+                    dcp.async_save(
+                        flat, storage_writer=FileSystemWriter(path, thread_count=sync_io.thread_count), no_dist=True
+                    )
+                )
+            ),
         )
         pending[0].result()
         shutil.rmtree(path)
@@ -257,6 +281,7 @@ def main() -> None:
         one order alone measures the order."""
         ratios = [b / o for b, o in zip(times[bound], times[ours])]
         return round(statistics.median(math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2])), 3)
+
     report = {
         "state_bytes": state_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),

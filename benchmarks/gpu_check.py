@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
-
 from _common import RESULTS, emit
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_scale.callbacks import MemoryMonitor, StepTimeBreakdown, Throughput
 from lightning_scale.data import TextDataModule
@@ -112,22 +111,34 @@ def _run(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     io = ShardedCheckpointIO(preemption=False, auto_resume=False)
     log_every = args.warmup  # logging steps at the warm-up's end and after; the last at max_steps
     trainer = Trainer(
-        accelerator=args.accelerator, devices=1, strategy=HybridParallelStrategy(checkpoint_io=io), max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, log_every_n_steps=log_every, plugins=[MixedPrecision("bf16-mixed")],
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=HybridParallelStrategy(checkpoint_io=io),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=log_every,
+        plugins=[MixedPrecision("bf16-mixed")],
         callbacks=[Throughput(window=args.steps - args.warmup), StepTimeBreakdown(), MemoryMonitor(), record],
-    )  # fmt: skip
+    )
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.fit(GPTLightningModule(PRESETS[preset]), datamodule=TextDataModule(seq_len=seq, global_batch_size=batch))
+        trainer.fit(
+            GPTLightningModule(PRESETS[preset]), datamodule=TextDataModule(seq_len=seq, global_batch_size=batch)
+        )
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     m = record.metrics
     # The planner's figures for this very run, against the allocator's peak over the whole fit and the measured
     # throughput. MemoryMonitor resets the allocator's peak at each logging step, so the peak since the last one
     # alone (5.4 of 29 GiB on an H200, 2026-12-04) would miss the training steps before it.
-    peak = max(torch.cuda.max_memory_allocated(), record.peak_allocated_gib * 2**30) if args.accelerator == "gpu" else None
+    peak = (
+        max(torch.cuda.max_memory_allocated(), record.peak_allocated_gib * 2**30) if args.accelerator == "gpu" else None
+    )
     planned = prediction_record(trainer, m, peak) or {}
     joules = None
     if len(record.energy) == 2:
@@ -146,21 +157,29 @@ def _run(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         "async_save_committed_s": record.saves.get("async_committed_s"),
         "sync_save_s": record.saves.get("sync_blocking_s"),
         "async_blocking_vs_sync": (
-            record.saves["async_blocking_s"] / record.saves["sync_blocking_s"] if record.saves.get("sync_blocking_s") else None
+            record.saves["async_blocking_s"] / record.saves["sync_blocking_s"]
+            if record.saves.get("sync_blocking_s")
+            else None
         ),
         "joules_per_step": joules,
         "planner": {
-            "layout": planned.get("layout"), "memory_gib": (planned.get("predicted") or {}).get("memory_per_device_bytes", 0) / 2**30,
+            "layout": planned.get("layout"),
+            "memory_gib": (planned.get("predicted") or {}).get("memory_per_device_bytes", 0) / 2**30,
             "max_memory_allocated_gib": None if peak is None else peak / 2**30,
             "memory_error": (planned.get("error") or {}).get("memory_per_device_bytes"),
             "step_time_s": (planned.get("predicted") or {}).get("step_time_s"),
-            "step_time_error": (planned.get("error") or {}).get("step_time_s"), "efficiency": planned.get("efficiency"),
+            "step_time_error": (planned.get("error") or {}).get("step_time_s"),
+            "efficiency": planned.get("efficiency"),
             "mfu": (planned.get("predicted") or {}).get("mfu"),
-            "mfu_error": (planned["predicted"]["mfu"] / m["train/mfu"] - 1) if m.get("train/mfu") and planned.get("predicted") else None,
+            "mfu_error": (planned["predicted"]["mfu"] / m["train/mfu"] - 1)
+            if m.get("train/mfu") and planned.get("predicted")
+            else None,
             # Every term beside the measured spans: compute, attention and elementwise (the per-operation rates),
             # the optimizer, what calibration refits (``lightning-scale-plan calibrate`` reads the same record).
             "time_terms": (planned.get("predicted") or {}).get("time_terms"),
-            "memory_terms_gib": {k: v / 2**30 for k, v in ((planned.get("predicted") or {}).get("memory_terms") or {}).items()},
+            "memory_terms_gib": {
+                k: v / 2**30 for k, v in ((planned.get("predicted") or {}).get("memory_terms") or {}).items()
+            },
             "inputs": planned.get("inputs"),
             "problem": planned.get("error") if isinstance(planned.get("error"), str) else None,
         },
@@ -173,19 +192,31 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
-    parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"),
-                        help="cpu: the same path on the CPU (with --presets tiny), to check the script itself")
+    parser.add_argument(
+        "--accelerator",
+        default="gpu",
+        choices=("gpu", "cpu"),
+        help="cpu: the same path on the CPU (with --presets tiny), to check the script itself",
+    )
     args = parser.parse_args()
     if args.steps <= args.warmup or args.steps % args.warmup:
-        parser.error(f"--steps {args.steps} must be a multiple of --warmup {args.warmup} above it (logging every --warmup steps)")
+        parser.error(
+            f"--steps {args.steps} must be a multiple of --warmup {args.warmup} above it (logging every --warmup steps)"
+        )
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU on this machine; nothing to measure.", flush=True)
         emit("gpu_check", {"skipped": "no CUDA GPU"}, args.out)
         return 0
     start = time.perf_counter()
     device = torch.cuda.get_device_name() if args.accelerator == "gpu" else "cpu"
-    report: dict[str, Any] = {"device": device, "torch": torch.__version__, "steps": args.steps,
-                              "warmup": args.warmup, "precision": "bf16-mixed", "presets": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "precision": "bf16-mixed",
+        "presets": {},
+    }
     for preset in args.presets:
         report["presets"][preset] = _run(preset, args)
         if args.accelerator == "gpu":

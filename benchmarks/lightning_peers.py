@@ -91,12 +91,22 @@ PAIRS: dict[str, dict[str, Any]] = {
 }
 
 
-def _fit(strategy: Strategy, module: GPTLightningModule, loader: DataLoader, steps: int, warmup: int) -> tuple[list[float], float]:
+def _fit(
+    strategy: Strategy, module: GPTLightningModule, loader: DataLoader, steps: int, warmup: int
+) -> tuple[list[float], float]:
     timer = StepTimer()
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        limit_val_batches=0,
+    )
     trainer.fit(module, train_dataloaders=loader)
     return timer.times[warmup:], float(timer.first_loss or 0.0)
 

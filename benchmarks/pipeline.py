@@ -47,12 +47,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 from lightning.pytorch import Trainer
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 from lightning_scale.core.pipeline.partition import bubble_fraction, partition_by_layers
 from lightning_scale.core.pipeline.spec import prune_to_stage
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_pipeline_spec, language_model_loss
@@ -149,9 +149,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     warnings.filterwarnings("ignore", message=r".*`validation_step` but have no `val_dataloader`.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     config = GPTConfig(
-        n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, block_size=args.seq, vocab_size=256,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        block_size=args.seq,
+        vocab_size=256,
         tie_embeddings=False,
-    )  # fmt: skip
+    )
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, target = tokens[:, :-1], tokens[:, 1:]
     steps = args.warmup + args.steps
@@ -190,10 +194,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
             )
             # No sampler: at dp=1 Lightning's would only shuffle the rows, and A must see B's and C's batch.
             trainer = Trainer(
-                accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-                limit_val_batches=0, use_distributed_sampler=False,
-            )  # fmt: skip
+                accelerator="cpu",
+                devices=world,
+                strategy=strategy,
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[timer],
+                limit_val_batches=0,
+                use_distributed_sampler=False,
+            )
             trainer.fit(module, train_dataloaders=loader)
             t["strategy"] += timer.times[args.warmup :]
             first_loss[m].setdefault("strategy", timer.first_loss)
@@ -281,21 +293,23 @@ def main() -> None:
         opt = max(statistics.median(r["timings"][m]["optimizer"]) for r in ranks)
         bound = sum(stage) + (m - 1) * max(stage) + opt
         assert ours is not None and raw is not None
-        results.append({
-            "microbatches": m,
-            "ours_s": _round(ours),
-            "raw_torch_s": _round(raw),
-            "deepspeed_s": _round(peer),
-            "bound_s": _round(bound),
-            "stage_s": [_round(s) for s in stage],
-            "optimizer_s": _round(opt),
-            "predicted_bubble": round(bubble_fraction(args.schedule, world, m), 4),
-            "fraction_of_bound": round(bound / ours, 4),
-            "raw_torch_fraction_of_bound": round(bound / raw, 4),
-            "ratio_vs_raw_torch": round(ours / raw, 4),
-            "ratio_vs_deepspeed": None if peer is None else round(ours / peer, 4),
-            "first_loss": {k: _round(v) for k, v in ranks[-1]["first_loss"][m].items()},
-        })  # fmt: skip
+        results.append(
+            {
+                "microbatches": m,
+                "ours_s": _round(ours),
+                "raw_torch_s": _round(raw),
+                "deepspeed_s": _round(peer),
+                "bound_s": _round(bound),
+                "stage_s": [_round(s) for s in stage],
+                "optimizer_s": _round(opt),
+                "predicted_bubble": round(bubble_fraction(args.schedule, world, m), 4),
+                "fraction_of_bound": round(bound / ours, 4),
+                "raw_torch_fraction_of_bound": round(bound / raw, 4),
+                "ratio_vs_raw_torch": round(ours / raw, 4),
+                "ratio_vs_deepspeed": None if peer is None else round(ours / peer, 4),
+                "first_loss": {k: _round(v) for k, v in ranks[-1]["first_loss"][m].items()},
+            }
+        )
     peer_ratios = [r["ratio_vs_deepspeed"] for r in results if r["ratio_vs_deepspeed"] is not None]
     report = {
         "pp": world,

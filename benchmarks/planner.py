@@ -55,9 +55,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.planner import Candidate, Workload, cluster, model_shape, plan
 from lightning_scale.core.planner.cluster import A100_MEGATRON
+from lightning_scale.core.planner.layout import DP_MODES
 from lightning_scale.core.planner.measure import StepTracker, tracked_peak
 from lightning_scale.core.planner.memory import estimate_memory
-from lightning_scale.core.planner.layout import DP_MODES
 from lightning_scale.core.planner.published import NARAYANAN_2021, RECORDS, megatron_flops_per_step, predict
 from lightning_scale.core.planner.search import PIPELINE_SCHEDULES, candidates
 from lightning_scale.core.planner.step_time import estimate_time
@@ -68,8 +68,17 @@ from lightning_scale.strategies import HybridParallelStrategy
 RESULTS = Path(__file__).resolve().parent / "results"
 
 _GPT = GPTConfig()
-_LLAMA_LIKE = GPTConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, mlp="swiglu", positional="rope", norm="rmsnorm",
-                        tie_embeddings=False, vocab_size=1000)  # fmt: skip
+_LLAMA_LIKE = GPTConfig(
+    n_layers=4,
+    d_model=256,
+    n_heads=4,
+    n_kv_heads=2,
+    mlp="swiglu",
+    positional="rope",
+    norm="rmsnorm",
+    tie_embeddings=False,
+    vocab_size=1000,
+)
 MEMORY_CASES: dict[str, tuple[GPTConfig, int, int, str, str]] = {
     "gpt-none-fp32": (_GPT, 8, 256, "none", "32-true"),
     "gpt-full-fp32": (_GPT, 8, 256, "full", "32-true"),
@@ -107,7 +116,9 @@ def memory_errors(cases: list[str] | None = None) -> dict[str, float]:
         config, batch, seq, checkpointing, precision = MEMORY_CASES[name]
         measured = measured_step_peak(config, batch, seq, checkpointing, precision)
         candidate = Candidate(1, 1, 1, micro_batch=batch, checkpointing=checkpointing, checkpoint_every=2)
-        predicted = estimate_memory(model_shape(config), Workload(batch, seq, precision), candidate, foreach=False).total
+        predicted = estimate_memory(
+            model_shape(config), Workload(batch, seq, precision), candidate, foreach=False
+        ).total
         errors[name] = _report(name, measured, predicted)
     return errors
 
@@ -115,11 +126,29 @@ def memory_errors(cases: list[str] | None = None) -> dict[str, float]:
 # ------------------------------------------------------------------------------ multi-process memory
 
 _GPT_SMALL = GPTConfig(n_layers=4, d_model=128, n_heads=4, block_size=64, vocab_size=256)
-_GPT_WIDE = GPTConfig(n_layers=4, d_model=192, n_heads=4, n_kv_heads=2, mlp="swiglu", positional="rope", norm="rmsnorm",
-                      tie_embeddings=False, vocab_size=512, block_size=64)  # fmt: skip
-HF_LLAMA = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "hidden_act": "silu",
-            "tie_word_embeddings": False}  # fmt: skip
+_GPT_WIDE = GPTConfig(
+    n_layers=4,
+    d_model=192,
+    n_heads=4,
+    n_kv_heads=2,
+    mlp="swiglu",
+    positional="rope",
+    norm="rmsnorm",
+    tie_embeddings=False,
+    vocab_size=512,
+    block_size=64,
+)
+HF_LLAMA = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
 """A Hugging Face ``LlamaConfig``'s fields (random weights; nothing is downloaded)."""
 MODELS: dict[str, Any] = {"gpt": _GPT_SMALL, "gpt-wide": _GPT_WIDE, "hf-llama": HF_LLAMA}
 
@@ -134,17 +163,27 @@ MULTIPROCESS_CASES: dict[str, tuple[str, Workload, Candidate]] = {
     "gpt/pp2-gpipe": ("gpt", _FP32, Candidate(1, 1, 2, schedule="gpipe", micro_batch=2)),
     "gpt/pp2-1f1b": ("gpt", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2)),
     "gpt/pp2-1f1b-ac": ("gpt", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2, checkpointing="full")),
-    "gpt/pp2-interleaved": ("gpt", _FP32, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2)),
+    "gpt/pp2-interleaved": (
+        "gpt",
+        _FP32,
+        Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2),
+    ),
     "gpt-wide/ddp2-ac": ("gpt-wide", _FP32, Candidate(2, 1, 1, micro_batch=4, checkpointing="selective")),
     "gpt-wide/tp2-nosp": ("gpt-wide", _FP32, Candidate(1, 2, 1, micro_batch=8)),
-    "gpt-wide/pp2-interleaved-ac": ("gpt-wide", _FP32, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2,
-                                                                  micro_batch=2, checkpointing="full")),
+    "gpt-wide/pp2-interleaved-ac": (
+        "gpt-wide",
+        _FP32,
+        Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2, checkpointing="full"),
+    ),
     "hf-llama/fsdp2": ("hf-llama", _FP32, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
     "hf-llama/pp2-1f1b": ("hf-llama", _FP32, Candidate(1, 1, 2, schedule="1f1b", micro_batch=2)),
     "gpt/dp2-tp2": ("gpt", _FP32, Candidate(2, 2, 1, micro_batch=4, sequence_parallel=True)),
     "gpt/tp2-pp2": ("gpt", _FP32, Candidate(1, 2, 2, micro_batch=2, sequence_parallel=True)),
-    "gpt-wide/dp2-tp2-ac": ("gpt-wide", _FP32, Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True,
-                                                          checkpointing="full")),
+    "gpt-wide/dp2-tp2-ac": (
+        "gpt-wide",
+        _FP32,
+        Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True, checkpointing="full"),
+    ),
     "hf-llama/dp2-pp2": ("hf-llama", _FP32, Candidate(2, 1, 2, "fsdp", schedule="1f1b", micro_batch=2)),
     "gpt/ddp2-bf16": ("gpt", _BF16, Candidate(2, 1, 1, micro_batch=4)),
     "gpt/fsdp2-bf16": ("gpt", _BF16, Candidate(2, 1, 1, "fsdp", micro_batch=4)),
@@ -156,9 +195,12 @@ MULTIPROCESS_CASES: dict[str, tuple[str, Workload, Candidate]] = {
     "gpt/fsdp_grad_op2-pp2-bf16": ("gpt", _BF16, Candidate(2, 1, 2, "fsdp_grad_op", schedule="1f1b", micro_batch=2)),
     "hf-llama/fsdp2-pp2-bf16": ("hf-llama", _BF16, Candidate(2, 1, 2, "fsdp", schedule="1f1b", micro_batch=2)),
     "gpt-wide/fsdp2-tp2-bf16": ("gpt-wide", _BF16, Candidate(2, 2, 1, "fsdp", micro_batch=4, sequence_parallel=True)),
-    "gpt/hsdp4-pp2-bf16": ("gpt", Workload(16, 64, "bf16-mixed"), Candidate(4, 1, 2, "hsdp", schedule="gpipe", micro_batch=2,
-                                                                            hsdp_shard=2)),
-}  # fmt: skip
+    "gpt/hsdp4-pp2-bf16": (
+        "gpt",
+        Workload(16, 64, "bf16-mixed"),
+        Candidate(4, 1, 2, "hsdp", schedule="gpipe", micro_batch=2, hsdp_shard=2),
+    ),
+}
 """(model of :data:`MODELS`, workload, layout) per case, run by ``HybridParallelStrategy`` on
 ``candidate.world_size`` gloo processes."""
 
@@ -210,20 +252,36 @@ def _rank_step_peak(model: str, workload: Workload, candidate: Candidate) -> dic
     seed_everything(0, verbose=False)
     c, config = candidate, MODELS[model]
     vocab = config.vocab_size if isinstance(config, GPTConfig) else config["vocab_size"]
-    tokens = torch.randint(0, vocab, (2 * workload.global_batch, workload.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, vocab, (2 * workload.global_batch, workload.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=workload.global_batch // c.dp)
     strategy = HybridParallelStrategy(
-        data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, data_parallel_mode=c.dp_mode,
-        schedule=c.schedule, virtual_stages=c.virtual_stages, microbatches=c.microbatches(workload) if c.pp > 1 else None,
-        activation_checkpointing=c.checkpointing, activation_checkpointing_every=c.checkpoint_every,
+        data_parallel=c.dp,
+        tensor_parallel=c.tp,
+        pipeline_parallel=c.pp,
+        data_parallel_mode=c.dp_mode,
+        schedule=c.schedule,
+        virtual_stages=c.virtual_stages,
+        microbatches=c.microbatches(workload) if c.pp > 1 else None,
+        activation_checkpointing=c.checkpointing,
+        activation_checkpointing_every=c.checkpoint_every,
         sequence_parallel=c.sequence_parallel,
-    )  # fmt: skip
+    )
     peak = StepPeak()
     trainer = Trainer(
-        accelerator="cpu", devices=c.world_size, strategy=strategy, max_steps=2, precision=workload.precision,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[peak],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=c.world_size,
+        strategy=strategy,
+        max_steps=2,
+        precision=workload.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[peak],
+    )
     module = GPTLightningModule(config, warmup_steps=0) if isinstance(config, GPTConfig) else _HFLlama(config)
     trainer.fit(module, train_dataloaders=loader)
     if peak.tracker is None:
@@ -244,8 +302,9 @@ def multiprocess_errors(peaks: list[dict[str, dict[str, int]]]) -> dict[str, flo
     for name in peaks[0]:
         model, workload, candidate = MULTIPROCESS_CASES[name]
         for rank, measured in enumerate(p[name] for p in peaks):
-            estimate = estimate_memory(model_shape(MODELS[model]), workload, candidate, foreach=False,
-                                       pipeline_rank=measured["pipeline_rank"])  # fmt: skip
+            estimate = estimate_memory(
+                model_shape(MODELS[model]), workload, candidate, foreach=False, pipeline_rank=measured["pipeline_rank"]
+            )
             errors[f"{name} rank {rank}"] = _report(f"{name} rank {rank}", measured["peak"], estimate.total)
     return errors
 
@@ -253,7 +312,9 @@ def multiprocess_errors(peaks: list[dict[str, dict[str, int]]]) -> dict[str, flo
 def _report(case: str, measured: float, predicted: float) -> float:
     """Print a case's measured and predicted peak; return the relative error."""
     error = predicted / measured - 1
-    print(f"memory {case}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {error:+.3f}")
+    print(
+        f"memory {case}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB, error {error:+.3f}"
+    )
     return error
 
 
@@ -275,17 +336,33 @@ def published_errors() -> list[float]:
     recomputation, no sequence parallelism; predicted over published teraFLOP/s per GPU, minus one."""
     errors = []
     for run in NARAYANAN_2021:
-        node = dataclasses.replace(cluster("a100-sxm-80", nodes=run.gpus // 8), efficiency=A100_MEGATRON)  # no fused attention in 2021
+        node = dataclasses.replace(
+            cluster("a100-sxm-80", nodes=run.gpus // 8), efficiency=A100_MEGATRON
+        )  # no fused attention in 2021
         workload = Workload(run.global_batch, run.seq_len, "16-mixed")
-        options = [c for c in candidates(run.shape, workload, node, dp_modes=("ddp",), checkpointing=("full",),
-                                         schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
-                                         sequence_parallel=False, max_micro_batch=8, context_parallel=(1,), float8=(False,))
-                   if (c.tp, c.pp) == (run.tp, run.pp)]  # fmt: skip
+        options = [
+            c
+            for c in candidates(
+                run.shape,
+                workload,
+                node,
+                dp_modes=("ddp",),
+                checkpointing=("full",),
+                schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)),
+                sequence_parallel=False,
+                max_micro_batch=8,
+                context_parallel=(1,),
+                float8=(False,),
+            )
+            if (c.tp, c.pp) == (run.tp, run.pp)
+        ]
         best = min((estimate_time(run.shape, workload, c, node) for c in options), key=lambda e: e.step_time)
         predicted = megatron_flops_per_step(run) / best.step_time / run.gpus / 1e12
         errors.append(predicted / run.tflops_per_gpu - 1)
-        print(f"published {run.billions}B on {run.gpus} GPUs (tp={run.tp}, pp={run.pp}): predicted {predicted:.1f} "
-              f"TFLOP/s per GPU, published {run.tflops_per_gpu}, error {errors[-1]:+.3f}")  # fmt: skip
+        print(
+            f"published {run.billions}B on {run.gpus} GPUs (tp={run.tp}, pp={run.pp}): predicted {predicted:.1f} "
+            f"TFLOP/s per GPU, published {run.tflops_per_gpu}, error {errors[-1]:+.3f}"
+        )
     return errors
 
 
@@ -301,19 +378,31 @@ def published_sources() -> dict[str, Any]:
         predicted = predict(record).tokens_per_sec / record.gpus
         error = predicted / record.tokens_per_sec_per_gpu - 1
         flops = record.shape.flops_per_token(record.seq_len)
-        by_source.setdefault(record.source, []).append((error, predicted * flops, record.tokens_per_sec_per_gpu * flops))
-        print(f"published {record.source} {record.label}: predicted {predicted:,.1f} tokens/s per GPU, published "
-              f"{record.tokens_per_sec_per_gpu:,.1f}, error {error:+.3f}")  # fmt: skip
+        by_source.setdefault(record.source, []).append(
+            (error, predicted * flops, record.tokens_per_sec_per_gpu * flops)
+        )
+        print(
+            f"published {record.source} {record.label}: predicted {predicted:,.1f} tokens/s per GPU, published "
+            f"{record.tokens_per_sec_per_gpu:,.1f}, error {error:+.3f}"
+        )
     report = {
-        name: {"rows": len(rows), "error_mean": statistics.fmean(abs(r[0]) for r in rows),
-               "error_max": max(abs(r[0]) for r in rows), "error_signed_mean": statistics.fmean(r[0] for r in rows),
-               "spearman": _spearman([r[1] for r in rows], [r[2] for r in rows])}
+        name: {
+            "rows": len(rows),
+            "error_mean": statistics.fmean(abs(r[0]) for r in rows),
+            "error_max": max(abs(r[0]) for r in rows),
+            "error_signed_mean": statistics.fmean(r[0] for r in rows),
+            "spearman": _spearman([r[1] for r in rows], [r[2] for r in rows]),
+        }
         for name, rows in by_source.items()
-    }  # fmt: skip
+    }
     every = [abs(r[0]) for rows in by_source.values() for r in rows]
-    return {"published_sources": sorted(report), "published_error_mean": statistics.fmean(every),
-            "published_error_max": max(every), "published_spearman_min": min(r["spearman"] for r in report.values()),
-            "published_by_source": report}  # fmt: skip
+    return {
+        "published_sources": sorted(report),
+        "published_error_mean": statistics.fmean(every),
+        "published_error_max": max(every),
+        "published_spearman_min": min(r["spearman"] for r in report.values()),
+        "published_by_source": report,
+    }
 
 
 def fsdp_scaling_spread() -> float:
@@ -322,7 +411,9 @@ def fsdp_scaling_spread() -> float:
     (a planner that timed inter-node collectives over one NIC predicted a 7x fall from 8 to 16)."""
     rows = [r for r in RECORDS if r.label in {f"mpt-13b seq 2048 on {n}" for n in (8, 16, 32, 64)}]
     rates = [predict(r).tokens_per_sec / r.gpus for r in rows]
-    print("fsdp scaling, MPT-13B on 8/16/32/64 H100s: predicted tokens/s per GPU " + ", ".join(f"{x:,.0f}" for x in rates))
+    print(
+        "fsdp scaling, MPT-13B on 8/16/32/64 H100s: predicted tokens/s per GPU " + ", ".join(f"{x:,.0f}" for x in rates)
+    )
     return max(rates) / min(rates) - 1
 
 
@@ -339,13 +430,23 @@ def untested_ranked(cases: list[str]) -> list[str]:
     return sorted(wanted - seen)
 
 
-LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
-             "intermediate_size": 28672, "vocab_size": 128256, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+LLAMA_70B = {
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
 
 
 def search() -> tuple[float, int]:
     start = time.process_time()
-    ranked = plan(model_shape(LLAMA_70B, "Llama-70B"), Workload(1024, 4096, "bf16-mixed"), cluster("h100-sxm", nodes=128))
+    ranked = plan(
+        model_shape(LLAMA_70B, "Llama-70B"), Workload(1024, 4096, "bf16-mixed"), cluster("h100-sxm", nodes=128)
+    )
     return time.process_time() - start, len(ranked)
 
 
@@ -354,10 +455,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "planner.json")
     every = [*MEMORY_CASES, *MULTIPROCESS_CASES]
     parser.add_argument("--cases", default=",".join(every), help="memory cases, comma-separated (default: all)")
-    parser.add_argument("--time-steps", type=int, default=40,
-                        help="steps of each run of the step-time study (benchmarks/planner_time.py); 0: skip it")  # fmt: skip
+    parser.add_argument(
+        "--time-steps",
+        type=int,
+        default=40,
+        help="steps of each run of the step-time study (benchmarks/planner_time.py); 0: skip it",
+    )
     parser.add_argument("--time-workdir", type=Path, default=None, help="keep (and reuse) the study's runs here")
-    parser.add_argument("--time-repeats", type=int, default=3, help="runs of each configuration of the study, round-robin")
+    parser.add_argument(
+        "--time-repeats", type=int, default=3, help="runs of each configuration of the study, round-robin"
+    )
     args = parser.parse_args()
     names = args.cases.split(",")
     unknown = sorted(set(names) - set(every))
@@ -370,7 +477,9 @@ def main() -> None:
         if chosen:
             from _common import run_workers
 
-            multiprocess |= multiprocess_errors(run_workers(_multiprocess_worker, world, argparse.Namespace(names=chosen)))
+            multiprocess |= multiprocess_errors(
+                run_workers(_multiprocess_worker, world, argparse.Namespace(names=chosen))
+            )
     published = published_errors()
     others = published_sources()
     scaling = fsdp_scaling_spread()
@@ -391,7 +500,9 @@ def main() -> None:
         "memory_error_max": max(every_error) if every_error else None,
         "memory_cases": len(memory),
         "memory_cases_multiprocess": len({key.rsplit(" rank ", 1)[0] for key in multiprocess}),
-        "memory_error_mean_multiprocess": statistics.fmean(abs(e) for e in multiprocess.values()) if multiprocess else None,
+        "memory_error_mean_multiprocess": statistics.fmean(abs(e) for e in multiprocess.values())
+        if multiprocess
+        else None,
         "memory_error_max_multiprocess": max(abs(e) for e in multiprocess.values()) if multiprocess else None,
         "time_error_mean": timed.get("time_error_mean"),
         "time_error_max": timed.get("time_error_max"),

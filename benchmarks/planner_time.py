@@ -59,8 +59,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "dp2-tp2": (4, ["strategy.tensor_parallel=2"]),
     "tp2-pp2": (4, ["strategy.tensor_parallel=2", "strategy.pipeline_parallel=2", "strategy.microbatches=4"]),
     "dp2-pp2": (4, ["strategy.pipeline_parallel=2", "strategy.microbatches=4"]),
-    "dp2-pp2-interleaved": (4, ["strategy.pipeline_parallel=2", "strategy.schedule=interleaved_1f1b",
-                                "strategy.microbatches=4"]),  # fmt: skip
+    "dp2-pp2-interleaved": (
+        4,
+        ["strategy.pipeline_parallel=2", "strategy.schedule=interleaved_1f1b", "strategy.microbatches=4"],
+    ),
 }
 """Name -> (processes, overrides of ``strategy=hybrid``)."""
 
@@ -76,11 +78,21 @@ def _train(name: str, devices: int, overrides: list[str], workdir: Path, steps: 
     if (run_dir / "results.json").exists():
         return run_dir
     command = [
-        sys.executable, "-m", "lightning_scale.cli.train", "model=tiny", f"trainer.devices={devices}",
-        f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps // 3}", "trainer.limit_val_batches=0",
-        "validate_before_fit=false", "validate_after_fit=false", "callbacks=[throughput,step_time]", "logger=none",
-        f"hydra.run.dir={run_dir}", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "lightning_scale.cli.train",
+        "model=tiny",
+        f"trainer.devices={devices}",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every_n_steps={steps // 3}",
+        "trainer.limit_val_batches=0",
+        "validate_before_fit=false",
+        "validate_after_fit=false",
+        "callbacks=[throughput,step_time]",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
     load = os.getloadavg()[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -89,8 +101,9 @@ def _train(name: str, devices: int, overrides: list[str], workdir: Path, steps: 
     return run_dir
 
 
-def _runs(configs: dict[str, tuple[int, list[str]]], workdir: Path, steps: int, repeats: int,
-          env: dict[str, str]) -> dict[str, list[Path]]:
+def _runs(
+    configs: dict[str, tuple[int, list[str]]], workdir: Path, steps: int, repeats: int, env: dict[str, str]
+) -> dict[str, list[Path]]:
     """Every configuration ``repeats`` times, round-robin; each name's run folders (``NAME`` or ``NAME-rK``)."""
     dirs: dict[str, list[Path]] = {name: [] for name in configs}
     for r in range(repeats):
@@ -107,8 +120,10 @@ def _stored_runs(names: list[str], workdir: Path) -> dict[str, list[Path]]:
         repeats = sorted(d for d in workdir.glob(f"{name}-r*") if d.name[len(name) + 2 :].isdigit())
         found = [d for d in (repeats or [workdir / name]) if (d / "results.json").exists()]
         if not found:
-            raise ValueError(f"{workdir} holds no finished run of {name} ({name}/ or {name}-rK/ with a results.json); "
-                             "pass the --workdir of a complete study.")  # fmt: skip
+            raise ValueError(
+                f"{workdir} holds no finished run of {name} ({name}/ or {name}-rK/ with a results.json); "
+                "pass the --workdir of a complete study."
+            )
         dirs[name] = found
     return dirs
 
@@ -127,11 +142,21 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str]]] = CONFIGS, repeats: int = 1,
-               *, stored: bool = False) -> dict[str, Any]:
+def time_study(
+    workdir: Path,
+    steps: int,
+    configs: dict[str, tuple[int, list[str]]] = CONFIGS,
+    repeats: int = 1,
+    *,
+    stored: bool = False,
+) -> dict[str, Any]:
     """Run the study in ``workdir`` (or, ``stored``, read the runs a study left there) and report it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_SCALE_PEAK_FILE": str(workdir / "peaks.json"),
-           "LIGHTNING_SCALE_CALIBRATION": str(workdir / "calibration.json")}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "LIGHTNING_SCALE_PEAK_FILE": str(workdir / "peaks.json"),
+        "LIGHTNING_SCALE_CALIBRATION": str(workdir / "calibration.json"),
+    }
     auto = {"auto4": (4, ["strategy=auto"])}
     runs = _stored_runs([*configs, *auto], workdir) if stored else _runs(configs, workdir, steps, repeats, env)
     repeats = max(len(dirs) for dirs in runs.values())
@@ -147,17 +172,33 @@ def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str
         observation = observations[0]
         measured = statistics.median(o.step_time for o in observations)
         fitted = load_calibration(system, store)
-        predicted = estimate_time(observation.shape, observation.workload, observation.candidate, system, fitted,
-                                  peak=statistics.median(o.peak for o in observations)).step_time  # fmt: skip
+        predicted = estimate_time(
+            observation.shape,
+            observation.workload,
+            observation.candidate,
+            system,
+            fitted,
+            peak=statistics.median(o.peak for o in observations),
+        ).step_time
         loads = [json.loads((d / "load.json").read_text()) for d in runs[name] if (d / "load.json").exists()]
-        rows.append({"config": name, "processes": configs[name][0], "layout": observation.candidate.name,
-                     "measured_s": measured, "measured_runs_s": [o.step_time for o in observations],
-                     "predicted_s": predicted, "error": predicted / measured - 1,
-                     "load_average": [round(v, 2) for x in loads for v in (x["before"], x["after"])],
-                     "calibration_run": name in CALIBRATE_FROM})  # fmt: skip
-        print(f"time {name:22s} {observation.candidate.name:36s} measured {measured:.4f} s "
-              f"({', '.join(f'{o.step_time:.3f}' for o in observations)}), predicted {predicted:.4f} s, error "
-              f"{rows[-1]['error']:+.3f}{' (calibrated on)' if name in CALIBRATE_FROM else ''}")  # fmt: skip
+        rows.append(
+            {
+                "config": name,
+                "processes": configs[name][0],
+                "layout": observation.candidate.name,
+                "measured_s": measured,
+                "measured_runs_s": [o.step_time for o in observations],
+                "predicted_s": predicted,
+                "error": predicted / measured - 1,
+                "load_average": [round(v, 2) for x in loads for v in (x["before"], x["after"])],
+                "calibration_run": name in CALIBRATE_FROM,
+            }
+        )
+        print(
+            f"time {name:22s} {observation.candidate.name:36s} measured {measured:.4f} s "
+            f"({', '.join(f'{o.step_time:.3f}' for o in observations)}), predicted {predicted:.4f} s, error "
+            f"{rows[-1]['error']:+.3f}{' (calibrated on)' if name in CALIBRATE_FROM else ''}"
+        )
     held = [r for r in rows if not r["calibration_run"]]
 
     def rate(name: str) -> float:
@@ -182,8 +223,10 @@ def time_study(workdir: Path, steps: int, configs: dict[str, tuple[int, list[str
         "calibrated_on": list(CALIBRATE_FROM),
         "rows": rows,
     }
-    print(f"auto: {report['auto_layout']} at {rate('auto4'):.0f} tokens/s; the best measured 4-process layout {best} "
-          f"{four[best]:.0f} tokens/s (ratio {report['auto_vs_best']:.3f})")  # fmt: skip
+    print(
+        f"auto: {report['auto_layout']} at {rate('auto4'):.0f} tokens/s; the best measured 4-process layout {best} "
+        f"{four[best]:.0f} tokens/s (ratio {report['auto_vs_best']:.3f})"
+    )
     return report
 
 
@@ -192,14 +235,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration, round-robin (median)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
-    parser.add_argument("--from-workdir", type=Path, default=None,
-                        help="train nothing: recalibrate and predict from the runs a study stored in this folder")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None, help="where the report goes (default "
-                        "benchmarks/results/planner_time.json; with --from-workdir DIR/planner_time-from-workdir.json)")
+    parser.add_argument(
+        "--from-workdir",
+        type=Path,
+        default=None,
+        help="train nothing: recalibrate and predict from the runs a study stored in this folder",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the report goes (default "
+        "benchmarks/results/planner_time.json; with --from-workdir DIR/planner_time-from-workdir.json)",
+    )
     args = parser.parse_args()
     if args.from_workdir is not None:
         if not args.from_workdir.is_dir():
-            parser.error(f"--from-workdir {args.from_workdir} is not a directory; pass the --workdir of a finished study.")
+            parser.error(
+                f"--from-workdir {args.from_workdir} is not a directory; pass the --workdir of a finished study."
+            )
         try:
             report = time_study(args.from_workdir, args.steps, stored=True)
         except ValueError as err:
@@ -210,7 +264,11 @@ def main() -> None:
         report = time_study(workdir, args.steps, repeats=args.repeats)
     from _common import emit
 
-    default = RESULTS / "planner_time.json" if args.from_workdir is None else args.from_workdir / "planner_time-from-workdir.json"
+    default = (
+        RESULTS / "planner_time.json"
+        if args.from_workdir is None
+        else args.from_workdir / "planner_time-from-workdir.json"
+    )
     emit("planner_time", report, args.out or default)
 
 

@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import RESULTS, StepTimer, emit
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision
 from torch.utils.data import DataLoader, TensorDataset
-
-from _common import RESULTS, StepTimer, emit
 
 from lightning_scale.models import PRESETS, GPTConfig, GPTLightningModule
 from lightning_scale.plugins import MixedPrecision
@@ -121,10 +120,18 @@ def _block(
 ) -> tuple[list[float], list[float], list[float]]:
     timer, plugin = StepTimer(), PLUGINS[variant]()
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0,
-        gradient_clip_val=1.0, plugins=[plugin],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        plugins=[plugin],
+    )
     trainer.fit(module, train_dataloaders=loader)
     return timer.times[warmup:], plugin.post_closure[warmup:], plugin.own[warmup:]
 

@@ -47,9 +47,8 @@ import time
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-
 from _common import HookTime, emit, fit_arguments, fit_report, join_process_group, mean_se, run_workers
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
 from lightning_scale.callbacks import GoodputMonitor
 from lightning_scale.data import TextDataModule
@@ -87,7 +86,9 @@ class _Blocks(Callback):
         others = [c for c in trainer.callbacks if c not in self.switched]
         trainer.callbacks = [*self.switched, *others] if self.on else others
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
         first_of_block = self._steps % self.block == 0  # it may pay for the switch before it
         if self._last is not None and self._steps >= self.warmup and not first_of_block:
@@ -122,10 +123,18 @@ def _fit(args: argparse.Namespace, on_first: bool, run_dir: str) -> tuple[Any, .
     switched = {"both": [watchdog, goodput], "watchdog": [watchdog], "goodput": [goodput], "none": []}[args.switch]
     blocks = _Blocks(switched, hooks, args.block, args.warmup, on_first)
     trainer = Trainer(
-        accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(data_parallel=WORLD, hang_timeout=0),
-        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[*switched, blocks],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=HybridParallelStrategy(data_parallel=WORLD, hang_timeout=0),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        callbacks=[*switched, blocks],
+    )
     module = GPTLightningModule(PRESETS[args.preset])
     trainer.fit(module, datamodule=TextDataModule(seq_len=args.seq, global_batch_size=args.batch))
     return blocks.blocks, blocks.hook_s_on, blocks.steps_on, blocks.cpu
@@ -146,19 +155,30 @@ def _overheads(pairs: Any) -> list[float]:
 
 def _extra_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=10, help="steps between two switches")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="pairs of processes the rounds are split over (each pair started afresh): the spread "
-                             "between them shows what differs from one process start to the next")  # fmt: skip
-    parser.add_argument("--switch", default="both", choices=["both", "watchdog", "goodput", "none"],
-                        help="what the blocks switch: none is the control (on and off blocks alike), whose "
-                             "overhead is the design's own bias")  # fmt: skip
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="pairs of processes the rounds are split over (each pair started afresh): the spread "
+        "between them shows what differs from one process start to the next",
+    )
+    parser.add_argument(
+        "--switch",
+        default="both",
+        choices=["both", "watchdog", "goodput", "none"],
+        help="what the blocks switch: none is the control (on and off blocks alike), whose "
+        "overhead is the design's own bias",
+    )
 
 
 def main() -> None:
     args = fit_arguments(
-        __doc__, "resilience", rounds=3, steps=400,
+        __doc__,
+        "resilience",
+        rounds=3,
+        steps=400,
         extra=_extra_arguments,
-    )  # fmt: skip
+    )
     with tempfile.TemporaryDirectory() as ledger:  # the goodput monitor's run directory
         args.goodput_dir = ledger
         if not 1 <= args.processes <= args.rounds:
@@ -175,7 +195,9 @@ def main() -> None:
                 times[on] += t
                 cpu[on] += c
             cpu_means = [(on, statistics.mean(c)) for (on, _), c in zip(blocks, cpu_blocks) if c]
-            cpu_added += [(a[1] - b[1]) * (1 if a[0] else -1) for a, b in zip(cpu_means[::2], cpu_means[1::2]) if a[0] != b[0]]
+            cpu_added += [
+                (a[1] - b[1]) * (1 if a[0] else -1) for a, b in zip(cpu_means[::2], cpu_means[1::2]) if a[0] != b[0]
+            ]
             pairs += _overheads(zip(means, means[1:]))
             pair_disjoint += _overheads(zip(means[::2], means[1::2]))
         disjoint += pair_disjoint
@@ -188,7 +210,9 @@ def main() -> None:
     report = {
         **fit_report(args, WORLD),
         "block": args.block,
-        "hang_timeout": "auto" if args.switch in ("both", "watchdog") else None,  # the watchdog's, when it is in the fit
+        "hang_timeout": "auto"
+        if args.switch in ("both", "watchdog")
+        else None,  # the watchdog's, when it is in the fit
         "switch": args.switch,  # what the "on" steps run: the watchdog, the goodput monitor, both, or none
         "step_s": step,
         "overhead_fraction": statistics.median(pairs),

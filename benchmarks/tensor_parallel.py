@@ -27,15 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
 from lightning.pytorch import Trainer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from _common import RESULTS, StepTimer, emit, join_process_group, model_arguments, run_workers, timed
-
-from lightning_scale.core.precision.grad_norm import clip_grad_norm_
 from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_scale.core.precision.grad_norm import clip_grad_norm_
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule, gpt_tensor_parallel_plan
 from lightning_scale.strategies import HybridParallelStrategy
 
@@ -87,10 +86,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     for _ in range(args.rounds):
         timer = StepTimer()
         trainer = Trainer(
-            accelerator="cpu", devices=world, strategy=HybridParallelStrategy(tensor_parallel=world),
-            max_steps=steps, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-        )  # fmt: skip
+            accelerator="cpu",
+            devices=world,
+            strategy=HybridParallelStrategy(tensor_parallel=world),
+            max_steps=steps,
+            gradient_clip_val=CLIP,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer],
+        )
         trainer.fit(module, train_dataloaders=loader)
         timings["strategy"] += timer.times[args.warmup :]
         dist.barrier()

@@ -90,7 +90,9 @@ class MyLightningModule(LightningModule):
     def tensor_parallel_plan(self, tp_size: int, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
         """Module names (relative to this LightningModule; ``*`` matches one segment) -> style."""
         if self.hparams.heads % tp_size:
-            raise ValueError(f"heads={self.hparams.heads} is not divisible by tensor_parallel={tp_size}: pick a divisor.")
+            raise ValueError(
+                f"heads={self.hparams.heads} is not divisible by tensor_parallel={tp_size}: pick a divisor."
+            )
         return {
             "net.blocks.*.q": "colwise",  # each rank computes heads / tp of the heads ...
             "net.blocks.*.k": "colwise",

@@ -64,7 +64,9 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         callbacks=[
-            ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1, save_last="link"),
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1, save_last="link"
+            ),
             ConsoleLogger(every_n_steps=max(args.save_every // 2, 1)),
             say_where,
         ],

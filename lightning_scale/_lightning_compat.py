@@ -256,7 +256,9 @@ def use_subprocess_launcher(strategy: Any) -> None:
     private ``_SubprocessScriptLauncher`` stored in the private ``Strategy._launcher``, from an override of
     the private hook ``Strategy._configure_launcher``. No public alternative (Lightning's launchers and the
     hook are private)."""
-    launcher = _private("lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "use_subprocess_launcher")
+    launcher = _private(
+        "lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "use_subprocess_launcher"
+    )
     strategy._launcher = launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
 
@@ -342,7 +344,9 @@ SHIMS: dict[str, Shim] = {
         ),
         ("should_update_logs", "log_metrics"),
     ),
-    "should_accumulate": _shim((f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._should_accumulate",), ("should_accumulate",)),
+    "should_accumulate": _shim(
+        (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop._should_accumulate",), ("should_accumulate",)
+    ),
     "batches_that_stepped": _shim(
         (f"{_LOOPS}.training_epoch_loop._TrainingEpochLoop()._batches_that_stepped",),
         ("batches_that_stepped", "should_update_logs"),  # the latter's fast path in a training batch
@@ -370,7 +374,8 @@ SHIMS: dict[str, Shim] = {
         ("lightning.pytorch.LightningModule._on_before_batch_transfer",), ("before_batch_transfer",)
     ),
     "hparams_initial": _shim(
-        ("lightning.pytorch.core.mixins.hparams_mixin.HyperparametersMixin()._hparams_initial",), ("set_initial_hparam",)
+        ("lightning.pytorch.core.mixins.hparams_mixin.HyperparametersMixin()._hparams_initial",),
+        ("set_initial_hparam",),
     ),
     "subprocess_launcher": _shim(
         (

@@ -17,8 +17,14 @@ from typing import Any
 
 __all__ = ["STEP_HOOKS", "restore_hooks", "skip_hooks"]
 
-STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-              "on_before_zero_grad", "on_train_batch_end")  # fmt: skip
+STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
 """The hooks Lightning calls on every callback at every training step."""
 
 

@@ -28,8 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-_LONGEST = ("test_sweep.py", "test_cli.py", "test_checkpoint_faults.py", "test_examples.py", "test_deferred_init.py",
-            "test_benchmarks.py", "test_planner.py", "test_conf.py")
+_LONGEST = (
+    "test_sweep.py",
+    "test_cli.py",
+    "test_checkpoint_faults.py",
+    "test_examples.py",
+    "test_deferred_init.py",
+    "test_benchmarks.py",
+    "test_planner.py",
+    "test_conf.py",
+)
 """The modules that took longest on 2 cores (2026-12-03: 300, 234, 110, 108, 95, 90 and 73 s; test_planner.py
 77 s with its multi-process memory checks), longest first."""
 

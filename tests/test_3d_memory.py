@@ -70,7 +70,9 @@ class _ProfileStep(Callback):
         if batch_idx == 0:
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+            self._prof = profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+            )
             self._prof.__enter__()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

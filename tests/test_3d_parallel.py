@@ -32,7 +32,9 @@ def _gathers_per_step(world: int, microbatches: int) -> int:
     """FSDP all-gathers in the second training step at dp=2 x pp=2."""
     seed_everything(0, verbose=False)
     count = CountEvents(["all_gather"])
-    strategy = HybridParallelStrategy(data_parallel=2, pipeline_parallel=2, data_parallel_mode="fsdp", microbatches=microbatches)
+    strategy = HybridParallelStrategy(
+        data_parallel=2, pipeline_parallel=2, data_parallel_mode="fsdp", microbatches=microbatches
+    )
     trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=2, callbacks=[count])
     trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=16, global_batch_size=16))
     return count.counts[-1]["all_gather"]
@@ -100,14 +102,19 @@ CASES_4: dict[str, Any] = {
     "fsdp_grad_op": lambda w: _hybrid(w, **DP2_PP2, data_parallel_mode="fsdp_grad_op"),
     "hsdp": lambda w: _hybrid(w, data_parallel=4, data_parallel_mode="hsdp", hsdp_replicate=2, hsdp_shard=2),
     # Two stages per rank under data parallelism: each stage's view is wrapped on its own.
-    **{s: lambda w, s=s: _hybrid(w, **DP2_PP2, data_parallel_mode="fsdp", schedule=s) for s in ("interleaved_1f1b", "zbv")},
+    **{
+        s: lambda w, s=s: _hybrid(w, **DP2_PP2, data_parallel_mode="fsdp", schedule=s)
+        for s in ("interleaved_1f1b", "zbv")
+    },
     "gathers-m2": lambda w: _gathers_per_step(w, 2),
     "gathers-m8": lambda w: _gathers_per_step(w, 8),
     "tied-v": _tied_v_error,
     "by-cost": _by_cost_cut,
     # The GPT presets' default: the embedding and head share a weight, here cut across stages and split
     # over tp (the embedding's gradient comes back replicated, the head's sharded).
-    "tied-tp2-pp2": lambda w: fit_gpt(HybridParallelStrategy(microbatches=2, tensor_parallel=2, pipeline_parallel=2), w, TIED),
+    "tied-tp2-pp2": lambda w: fit_gpt(
+        HybridParallelStrategy(microbatches=2, tensor_parallel=2, pipeline_parallel=2), w, TIED
+    ),
 }
 
 
@@ -166,10 +173,14 @@ def test_a_tied_embedding_and_head_at_tp2_pp2_match_one_process(four: list[dict[
 
 
 @pytest.mark.slow
-def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parallelism(four: list[dict[str, Any]]) -> None:
+def test_a_weight_tied_across_two_stages_of_one_rank_is_refused_with_data_parallelism(
+    four: list[dict[str, Any]],
+) -> None:
     for result in four:
         message = result["tied-v"]
-        assert "one weight shared by two pipeline stages of one rank" in message and "tie_embeddings=False" in message, message
+        assert (
+            "one weight shared by two pipeline stages of one rank" in message and "tie_embeddings=False" in message
+        ), message
 
 
 @pytest.mark.slow
@@ -186,21 +197,46 @@ def test_by_cost_cuts_every_replica_the_same_way(four: list[dict[str, Any]]) -> 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"data_parallel_mode": "zero3"}, r"data_parallel_mode='zero3' is not one of 'ddp', 'fsdp', 'fsdp_grad_op', 'hsdp'"),
+        (
+            {"data_parallel_mode": "zero3"},
+            r"data_parallel_mode='zero3' is not one of 'ddp', 'fsdp', 'fsdp_grad_op', 'hsdp'",
+        ),
         (
             {"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 3, "hsdp_shard": 2},
             r"hsdp needs hsdp_replicate x hsdp_shard = data_parallel, but 3 x 2 does not make data_parallel=4",
         ),
-        ({"data_parallel_mode": "fsdp", "gradient_compression": "powersgd"}, r"gradient_compression='powersgd' uses DDP communication hooks, which data_parallel_mode='fsdp' does not have"),
-        ({"gradient_compression": "bf16", "tensor_parallel": 2}, r"gradient_compression='bf16' applies to plain data parallelism.*tensor_parallel=2 must be 1"),
-        ({"gradient_compression": "int4"}, r"gradient_compression='int4' is not one of 'bf16', 'fp16', 'none', 'powersgd'"),
+        (
+            {"data_parallel_mode": "fsdp", "gradient_compression": "powersgd"},
+            r"gradient_compression='powersgd' uses DDP communication hooks, which data_parallel_mode='fsdp' does not have",
+        ),
+        (
+            {"gradient_compression": "bf16", "tensor_parallel": 2},
+            r"gradient_compression='bf16' applies to plain data parallelism.*tensor_parallel=2 must be 1",
+        ),
+        (
+            {"gradient_compression": "int4"},
+            r"gradient_compression='int4' is not one of 'bf16', 'fp16', 'none', 'powersgd'",
+        ),
         ({"hsdp_replicate": 2}, r"hsdp_replicate/hsdp_shard are set but data_parallel_mode='ddp'"),
-        ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' is not one of 'full', 'none', 'selective'"),
+        (
+            {"activation_checkpointing": "some"},
+            r"activation_checkpointing='some' is not one of 'full', 'none', 'selective'",
+        ),
         ({"activation_checkpointing_every": 0}, r"activation_checkpointing_every=0 must be a positive integer"),
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of megabytes"),
     ],
-    ids=["unknown-mode", "hsdp-product", "compression-fsdp", "compression-tp", "unknown-compression", "hsdp-sizes-without-hsdp", "unknown-ac", "ac-every", "bucket-cap"],
-)  # fmt: skip
+    ids=[
+        "unknown-mode",
+        "hsdp-product",
+        "compression-fsdp",
+        "compression-tp",
+        "unknown-compression",
+        "hsdp-sizes-without-hsdp",
+        "unknown-ac",
+        "ac-every",
+        "bucket-cap",
+    ],
+)
 def test_bad_data_parallel_settings_are_refused_when_the_strategy_is_built(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HybridParallelStrategy(**kwargs)
@@ -214,11 +250,23 @@ def test_a_ddp_flag_that_is_not_a_bool_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "layout", "match"),
     [
-        ({"find_unused_parameters": True}, (1, 2, 1), r"find_unused_parameters=True configure DistributedDataParallel, which this run does not use: dp=1 x pp=2 x tp=1 has no data parallelism"),
-        ({"gradient_as_bucket_view": True}, (2, 1, 2), r"gradient_as_bucket_view=True configure .*dp=2 x pp=1 x tp=2 with data_parallel_mode='ddp' runs FSDP2"),
-        ({"static_graph": True, "data_parallel_mode": "fsdp"}, (2, 1, 1), r"static_graph=True configure DistributedDataParallel.*data_parallel_mode='fsdp' runs FSDP2"),
+        (
+            {"find_unused_parameters": True},
+            (1, 2, 1),
+            r"find_unused_parameters=True configure DistributedDataParallel, which this run does not use: dp=1 x pp=2 x tp=1 has no data parallelism",
+        ),
+        (
+            {"gradient_as_bucket_view": True},
+            (2, 1, 2),
+            r"gradient_as_bucket_view=True configure .*dp=2 x pp=1 x tp=2 with data_parallel_mode='ddp' runs FSDP2",
+        ),
+        (
+            {"static_graph": True, "data_parallel_mode": "fsdp"},
+            (2, 1, 1),
+            r"static_graph=True configure DistributedDataParallel.*data_parallel_mode='fsdp' runs FSDP2",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ddp_options_without_ddp_are_refused(kwargs: dict[str, Any], layout: tuple[int, int, int], match: str) -> None:
     from lightning_scale.core.parallel.layout import Layout
 
@@ -290,8 +338,12 @@ def two() -> list[dict[str, Any]]:
     return run_distributed(run_cases, 2, __name__, "CASES_2", timeout=180)
 
 
-@pytest.mark.parametrize(("wrapper", "label"), [("ddp", "DistributedDataParallel"), ("fsdp1", r"FullyShardedDataParallel \(FSDP1\)")])
-def test_a_module_already_wrapped_for_data_parallelism_is_refused(two: list[dict[str, Any]], wrapper: str, label: str) -> None:
+@pytest.mark.parametrize(
+    ("wrapper", "label"), [("ddp", "DistributedDataParallel"), ("fsdp1", r"FullyShardedDataParallel \(FSDP1\)")]
+)
+def test_a_module_already_wrapped_for_data_parallelism_is_refused(
+    two: list[dict[str, Any]], wrapper: str, label: str
+) -> None:
     for result in two:
         message = result[f"wrapped-{wrapper}"]
         assert re.search(rf"are already wrapped in {label}\. Pass the bare model", message), message
@@ -301,7 +353,12 @@ def test_ddp_options_reach_distributed_data_parallel(two: list[dict[str, Any]]) 
     for result in two:
         seen = result["ddp-options"]
         assert "find_unused_parameters=True" in seen.pop("error")
-        assert seen == {"find_unused_parameters": True, "bucket_bytes_cap": 2**20, "gradient_as_bucket_view": True, "steps": 3}
+        assert seen == {
+            "find_unused_parameters": True,
+            "bucket_bytes_cap": 2**20,
+            "gradient_as_bucket_view": True,
+            "steps": 3,
+        }
 
 
 # ---------------------------------------------------------------- activation checkpointing and torch.compile, composed

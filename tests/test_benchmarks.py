@@ -20,8 +20,12 @@ def _bench(name: str, script: str, *args: str, out: Path) -> dict:
     """Run ``benchmarks/<script>`` small; returns its report after checking the BENCH line equals the JSON file."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     match = re.fullmatch(rf"BENCH {name} (\{{.*\}})", line)
@@ -34,9 +38,22 @@ def _bench(name: str, script: str, *args: str, out: Path) -> dict:
 @pytest.mark.slow
 def test_tensor_parallel_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "tensor_parallel", "tensor_parallel.py", "--layers", "1", "--d-model", "64", "--seq", "32",
-        "--steps", "2", "--warmup", "1", "--rounds", "1", out=tmp_path / "tp.json",
-    )  # fmt: skip
+        "tensor_parallel",
+        "tensor_parallel.py",
+        "--layers",
+        "1",
+        "--d-model",
+        "64",
+        "--seq",
+        "32",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        out=tmp_path / "tp.json",
+    )
     for key in ("ratio_vs_raw_torch", "fraction_of_bound", "speedup_vs_tp1", "comm_s_per_step"):
         assert report[key] > 0, key
 
@@ -44,24 +61,61 @@ def test_tensor_parallel_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pipeline_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "pipeline", "pipeline.py", "--layers", "2", "--d-model", "64", "--seq", "32", "--steps", "2",
-        "--warmup", "1", "--rounds", "1", "--microbatches", "2,4", "--no-deepspeed", out=tmp_path / "pp.json",
-    )  # fmt: skip
+        "pipeline",
+        "pipeline.py",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--seq",
+        "32",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--microbatches",
+        "2,4",
+        "--no-deepspeed",
+        out=tmp_path / "pp.json",
+    )
     assert [r["microbatches"] for r in report["results"]] == [2, 4]
     for key in ("fraction_of_bound", "ratio_vs_raw_torch"):
         assert report[key] > 0, key
     # The three implementations train the same model on the same batch.
-    assert report["results"][0]["first_loss"]["strategy"] == pytest.approx(report["results"][0]["first_loss"]["raw_torch"])
+    assert report["results"][0]["first_loss"]["strategy"] == pytest.approx(
+        report["results"][0]["first_loss"]["raw_torch"]
+    )
     assert report["deepspeed_error"] == "skipped (--no-deepspeed)" and report["ratio_vs_deepspeed"] is None
 
 
 @pytest.mark.slow
 def test_lightning_peers_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "lightning_peers", "lightning_peers.py", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16",
-        "--steps", "1", "--warmup", "1", "--rounds", "1", out=tmp_path / "peers.json",
-    )  # fmt: skip
-    for key in ("ratio_vs_lightning_ddp", "ratio_vs_lightning_model_parallel_tp", "ratio_vs_lightning_model_parallel_fsdp"):
+        "lightning_peers",
+        "lightning_peers.py",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        out=tmp_path / "peers.json",
+    )
+    for key in (
+        "ratio_vs_lightning_ddp",
+        "ratio_vs_lightning_model_parallel_tp",
+        "ratio_vs_lightning_model_parallel_fsdp",
+    ):
         assert report[key] > 0, key
     # Ours and Lightning's strategies train the same model on the same batch.
     for pair in report["pairs"].values():
@@ -71,9 +125,24 @@ def test_lightning_peers_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_precision_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "precision", "precision.py", "--preset", "tiny", "--batch", "1", "--seq", "16", "--steps", "2",
-        "--warmup", "1", "--rounds", "1", "--threads", "1", out=tmp_path / "precision.json",
-    )  # fmt: skip
+        "precision",
+        "precision.py",
+        "--preset",
+        "tiny",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        out=tmp_path / "precision.json",
+    )
     for key in ("ratio_vs_torch_gradscaler", "plugin_work_ratio_vs_torch_gradscaler", "bound_s"):
         assert report[key] > 0, key
     assert set(report["step_s"]) == {"none", "ours", "torch"} and "fp32" in report["compute"]
@@ -83,11 +152,31 @@ def test_precision_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_checkpoint_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "checkpoint", "checkpoint.py", "--layers", "1", "--d-model", "64", "--heads", "2", "--seq", "16",
-        "--rounds", "2", "--dir", str(tmp_path), out=tmp_path / "checkpoint.json",
-    )  # fmt: skip
-    for key in ("save_fraction_of_disk", "load_fraction_of_disk", "async_block_fraction", "async_block_vs_memcpy",
-                "save_ratio_vs_torch", "save_ratio_vs_dcp", "dcp_async_block_vs_memcpy"):  # fmt: skip
+        "checkpoint",
+        "checkpoint.py",
+        "--layers",
+        "1",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--rounds",
+        "2",
+        "--dir",
+        str(tmp_path),
+        out=tmp_path / "checkpoint.json",
+    )
+    for key in (
+        "save_fraction_of_disk",
+        "load_fraction_of_disk",
+        "async_block_fraction",
+        "async_block_vs_memcpy",
+        "save_ratio_vs_torch",
+        "save_ratio_vs_dcp",
+        "dcp_async_block_vs_memcpy",
+    ):
         assert report[key] > 0, key
     assert not any(tmp_path.glob("ckpt-bench-*"))  # its files are cleaned up
     # The state saved: the fp32 model's state dict (the tied embedding under both of its names), and
@@ -97,13 +186,17 @@ def test_checkpoint_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     model = GPT(GPTConfig(n_layers=1, d_model=64, n_heads=2, block_size=16, vocab_size=256))
     params = list(model.parameters())
     assert report["parameters"] == sum(p.numel() for p in params) == 66752
-    assert report["state_bytes"] == sum(4 * v.numel() for v in model.state_dict().values()) + sum(
-        8 * p.numel() + 4 for p in params
-    ) == 866604
+    assert (
+        report["state_bytes"]
+        == sum(4 * v.numel() for v in model.state_dict().values()) + sum(8 * p.numel() + 4 for p in params)
+        == 866604
+    )
 
 
 def test_planner_benchmark_prints_its_errors(tmp_path: Path) -> None:
-    report = _bench("planner", "planner.py", "--cases", "gpt-full-fp32", "--time-steps", "0", out=tmp_path / "planner.json")
+    report = _bench(
+        "planner", "planner.py", "--cases", "gpt-full-fp32", "--time-steps", "0", out=tmp_path / "planner.json"
+    )
     assert report["memory_cases"] == 1 and 0 <= report["memory_error_max"] <= 0.10
     assert report["narayanan_error_mean"] <= 0.15 and report["search_seconds"] <= 30 and report["search_layouts"] > 1000
     assert len(report["published_sources"]) >= 3 and report["published_error_mean"] <= 0.12
@@ -139,7 +232,9 @@ def test_the_callbacks_benchmark_gives_each_variant_every_position_of_an_interva
         assert len({pairs.count((a, b)) for a in bench.VARIANTS for b in bench.VARIANTS if a != b}) <= 1, pairs
 
 
-def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--from-workdir`` trains nothing: runs whose step times the planner itself made (at known factors)
     are recalibrated and predicted back exactly, the study's own calibration left alone."""
     import dataclasses
@@ -155,24 +250,42 @@ def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(tmp_path
 
     shape, workload = model_shape(PRESETS["tiny"]), Workload(16, 128, "32-true")
     truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.6, overhead=3e-3, framework_collectives=3.5)
-    layouts = {"dp2": Candidate(2, 1, 1, micro_batch=8), "tp2": Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True),
-               "pp2-gpipe-m8": Candidate(1, 1, 2, schedule="gpipe", micro_batch=2),
-               "fsdp2": Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8), "dp4": Candidate(4, 1, 1, micro_batch=4),
-               "dp2-pp2": Candidate(2, 1, 2, micro_batch=2), "auto4": Candidate(4, 1, 1, micro_batch=4)}  # fmt: skip
+    layouts = {
+        "dp2": Candidate(2, 1, 1, micro_batch=8),
+        "tp2": Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True),
+        "pp2-gpipe-m8": Candidate(1, 1, 2, schedule="gpipe", micro_batch=2),
+        "fsdp2": Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8),
+        "dp4": Candidate(4, 1, 1, micro_batch=4),
+        "dp2-pp2": Candidate(2, 1, 2, micro_batch=2),
+        "auto4": Candidate(4, 1, 1, micro_batch=4),
+    }
     for name, c in layouts.items():
         host = cpu_cluster(devices_per_node=c.world_size, peak_flops={"float32": 8e10 / c.world_size})
         step = estimate_time(shape, workload, c, host, truth).step_time
         for r in range(2):
             (tmp_path / f"{name}-r{r}").mkdir()
-            (tmp_path / f"{name}-r{r}" / "results.json").write_text(json.dumps({
-                "status": "completed", "tokens_per_sec": workload.tokens / step,
-                "planner": {"layout": c.name, "inputs": planner_record(shape, workload, c, host, 8e10 / c.world_size),
-                            "measured": {"step_time_s": step}, "error": {"step_time_s": 0.0}},
-            }))  # fmt: skip
+            (tmp_path / f"{name}-r{r}" / "results.json").write_text(
+                json.dumps(
+                    {
+                        "status": "completed",
+                        "tokens_per_sec": workload.tokens / step,
+                        "planner": {
+                            "layout": c.name,
+                            "inputs": planner_record(shape, workload, c, host, 8e10 / c.world_size),
+                            "measured": {"step_time_s": step},
+                            "error": {"step_time_s": 0.0},
+                        },
+                    }
+                )
+            )
     (tmp_path / "calibration.json").write_text("{}")
     configs = {name: (c.world_size, []) for name, c in layouts.items() if name != "auto4"}
     report = planner_time.time_study(tmp_path, 0, configs, stored=True)
-    assert report["repeats"] == 2 and report["time_cases"] == 3 and report["calibrated_on"] == ["dp2", "tp2", "pp2-gpipe-m8"]
+    assert (
+        report["repeats"] == 2
+        and report["time_cases"] == 3
+        and report["calibrated_on"] == ["dp2", "tp2", "pp2-gpipe-m8"]
+    )
     assert report["time_error_max"] < 0.01 and report["spearman"] == 1.0
     assert report["planner_pick"] == report["best_4_process"] and report["planner_pick_vs_best"] == 1.0
     assert (tmp_path / "calibration-from-workdir.json").exists() and (tmp_path / "calibration.json").read_text() == "{}"
@@ -185,16 +298,37 @@ def test_the_planner_time_study_is_recomputed_from_a_studys_stored_runs(tmp_path
 @pytest.mark.slow
 def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     report = _bench(
-        "callbacks", "callbacks.py", "--steps", "16", "--warmup", "2", "--log-every", "2", "--rounds", "1",
-        "--threads", "1", "--seq", "16", "--batch", "4", "--time-hooks", out=tmp_path / "callbacks.json",
-    )  # fmt: skip
+        "callbacks",
+        "callbacks.py",
+        "--steps",
+        "16",
+        "--warmup",
+        "2",
+        "--log-every",
+        "2",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--time-hooks",
+        out=tmp_path / "callbacks.json",
+    )
     assert set(report["step_s"]) == {"none", "ours", "lightning"} and min(report["step_s"].values()) > 0
     # 16 steps, cycles of 3 logging intervals of 2: cycle 0 starts in the warm-up, cycle 2 is cut short.
     assert report["cycles"] == 1 and report["log_every_n_steps"] == 2
     assert report["overhead_se"] is None and isinstance(report["overhead_mean"], float)  # one cycle: no spread
     assert len(report["overhead_by_round"]) == 1 and report["overhead_between_rounds_se"] is None  # one round
-    assert report["hooks_timed"] and 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
-    assert {key.split(".")[0] for key in report["hook_us_per_step_by_hook"]} == {"CallbackGroup"}  # its records and members
+    assert (
+        report["hooks_timed"]
+        and 0 < report["hook_s_per_step"]["lightning"] < report["hook_s_per_step"]["ours"] < report["step_s"]["ours"]
+    )
+    assert {key.split(".")[0] for key in report["hook_us_per_step_by_hook"]} == {
+        "CallbackGroup"
+    }  # its records and members
     for key in ("overhead_fraction", "ratio_vs_throughput_monitor"):
         assert isinstance(report[key], float), key
 
@@ -202,15 +336,34 @@ def test_callbacks_benchmark_prints_its_ratios(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> None:
     report = _bench(
-        "resilience", "resilience.py", "--steps", "12", "--warmup", "2", "--rounds", "2", "--block", "2", "--seq", "16",
-        "--batch", "4", "--processes", "2", out=tmp_path / "resilience.json",
-    )  # fmt: skip
+        "resilience",
+        "resilience.py",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--rounds",
+        "2",
+        "--block",
+        "2",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--processes",
+        "2",
+        out=tmp_path / "resilience.json",
+    )
     assert len(report["overhead_by_processes"]) == 2 and isinstance(report["overhead_between_processes_se"], float)
     assert set(report["step_s"]) == {"off", "on"} and min(report["step_s"].values()) > 0
     # 12 steps in blocks of 2, the first 2 and each block's first dropped: 5 blocks a fit, alternating, 4 pairs.
     assert report["block_pairs"] == 8 and isinstance(report["overhead_fraction"], float)
-    assert isinstance(report["overhead_mean"], float) and isinstance(report["overhead_se"], float)  # 2 disjoint pairs a fit
-    assert 0 < report["hook_s_per_step"] < report["step_s"]["off"]  # the heartbeats were timed, and are a part of a step
+    assert isinstance(report["overhead_mean"], float) and isinstance(
+        report["overhead_se"], float
+    )  # 2 disjoint pairs a fit
+    assert (
+        0 < report["hook_s_per_step"] < report["step_s"]["off"]
+    )  # the heartbeats were timed, and are a part of a step
     assert report["switch"] == "both"  # the "on" steps ran the watchdog and recorded the goodput ledger
     cpu = report["thread_cpu_s"]  # the training thread's own CPU a step: a part of the step, on and off
     assert set(cpu) == {"off", "on"} and all(0 < cpu[k] <= report["step_s"][k] * 1.05 for k in cpu)
@@ -223,9 +376,18 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(
         pytest.skip("a GPU is here: benchmarks/gpu_check.py measures it (see the note of the session)")
     assert _bench("gpu_check", "gpu_check.py", out=tmp_path / "none.json") == {"skipped": "no CUDA GPU"}
     report = _bench(
-        "gpu_check", "gpu_check.py", "--accelerator", "cpu", "--presets", "tiny", "--steps", "4", "--warmup", "2",
+        "gpu_check",
+        "gpu_check.py",
+        "--accelerator",
+        "cpu",
+        "--presets",
+        "tiny",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
         out=tmp_path / "cpu.json",
-    )["presets"]["tiny"]  # fmt: skip
+    )["presets"]["tiny"]
     assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1
     assert report["step_time"]["total"] > 0
     assert 0 < report["async_save_blocking_s"] <= report["async_save_committed_s"]

@@ -85,14 +85,22 @@ def test_members_get_the_hooks_they_would_get_apart_and_lightnings_own_callbacks
         save = ModelCheckpoint(dirpath=tmp_path / f"ckpt-{grouped}", every_n_train_steps=2)
         logger = CSVLogger(tmp_path, name=f"grouped-{grouped}")
         callbacks = ([CallbackGroup(members)] if grouped else members) + [save]
-        trainer = _fit(callbacks, limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=1, logger=logger,
-                       enable_checkpointing=True)  # fmt: skip
+        trainer = _fit(
+            callbacks,
+            limit_val_batches=1,
+            val_check_interval=2,
+            num_sanity_val_steps=1,
+            logger=logger,
+            enable_checkpointing=True,
+        )
         with open(Path(logger.log_dir) / "metrics.csv") as f:
             lrs = [(row["step"], row["lr-AdamW/pg1"]) for row in csv.DictReader(f) if row.get("lr-AdamW/pg1")]
         runs[grouped] = (recorder.calls, counter.batches, lrs, [type(c).__name__ for c in each_callback(trainer)])
     apart, grouped_run = runs[False], runs[True]
     assert grouped_run[0] == apart[0]
-    assert {"on_save_checkpoint", "on_validation_batch_end", "on_sanity_check_start", "on_fit_end", "teardown"} <= {h for h, _ in apart[0]}
+    assert {"on_save_checkpoint", "on_validation_batch_end", "on_sanity_check_start", "on_fit_end", "teardown"} <= {
+        h for h, _ in apart[0]
+    }
     assert grouped_run[1] == apart[1] == 4
     assert grouped_run[2] == apart[2] and len(apart[2]) == 4
     assert "Recorder" in grouped_run[3] and "LearningRateMonitor" in grouped_run[3]
@@ -142,8 +150,11 @@ def test_telemetry_members_report_the_same_figures_grouped_as_apart_and_fold_ste
         virtual = _VirtualTime()
         monkeypatch.setattr(_steps, "clock", virtual)
         members: list[Callback] = [
-            Throughput(window=3, peak_flops=1e12), CostMonitor(price_per_device_hour=3.6), StepTimeBreakdown(),
-            StragglerMonitor(probe=False), GoodputMonitor(dirpath=tmp_path / f"goodput-{grouped}"),
+            Throughput(window=3, peak_flops=1e12),
+            CostMonitor(price_per_device_hour=3.6),
+            StepTimeBreakdown(),
+            StragglerMonitor(probe=False),
+            GoodputMonitor(dirpath=tmp_path / f"goodput-{grouped}"),
         ]
         calls = folds[grouped] = []
         for member in members:
@@ -152,18 +163,35 @@ def test_telemetry_members_report_the_same_figures_grouped_as_apart_and_fold_ste
         logger = CSVLogger(tmp_path, name=f"grouped-{grouped}")
         seed_everything(0, verbose=False)
         trainer = quiet_trainer(
-            max_steps=8, callbacks=[CallbackGroup(members)] if grouped else members, logger=logger, log_every_n_steps=3,
-            accumulate_grad_batches=2, limit_val_batches=1, val_check_interval=6, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(TimedGPT(virtual, CONFIG, learning_rate=1e-2), datamodule=TextDataModule(seq_len=8, global_batch_size=2))
+            max_steps=8,
+            callbacks=[CallbackGroup(members)] if grouped else members,
+            logger=logger,
+            log_every_n_steps=3,
+            accumulate_grad_batches=2,
+            limit_val_batches=1,
+            val_check_interval=6,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(
+            TimedGPT(virtual, CONFIG, learning_rate=1e-2), datamodule=TextDataModule(seq_len=8, global_batch_size=2)
+        )
         with open(Path(logger.log_dir) / "metrics.csv") as f:
-            rows = [{k: v for k, v in row.items() if v and not k.startswith(("goodput/", "val/"))} for row in csv.DictReader(f)]
+            rows = [
+                {k: v for k, v in row.items() if v and not k.startswith(("goodput/", "val/"))}
+                for row in csv.DictReader(f)
+            ]
         runs[grouped] = [row for row in rows if len(row) > 2]
     apart, grouped_rows = runs[False], runs[True]
     assert grouped_rows == apart
     logged = {k for row in apart for k in row}
-    assert {"train/tokens_per_sec", "train/mfu", "cost/usd", "train/step_time/data", "train/step_time/optimizer",
-            "stragglers/max_ratio"} <= logged  # fmt: skip
+    assert {
+        "train/tokens_per_sec",
+        "train/mfu",
+        "cost/usd",
+        "train/step_time/data",
+        "train/step_time/optimizer",
+        "stragglers/max_ratio",
+    } <= logged
     # The spans of the virtual clock: 2 batches per optimizer step, validation left out.
     second = [row for row in apart if "train/step_time/data" in row][1]
     assert float(second["train/step_time/compute"]) == pytest.approx(2 * 0.3)
@@ -190,10 +218,16 @@ def test_a_groups_checkpoint_keeps_each_members_state_and_loads_one_written_apar
     assert resumed.batches == 2 + 2
     # Written by a group: each member's state under its own key, inside the group's entry.
     saved = torch.load(save.best_model_path, weights_only=False)["callbacks"]
-    assert set(saved[group.state_key]) == {"Counter", "CostMonitor"} and saved[group.state_key]["Counter"] == {"batches": 4}
+    assert set(saved[group.state_key]) == {"Counter", "CostMonitor"} and saved[group.state_key]["Counter"] == {
+        "batches": 4
+    }
     assert "Counter" not in saved
     again = Counter()
-    _fit([CallbackGroup([again, CostMonitor(price_per_device_hour=1.0)], name="mine")], steps=5, ckpt_path=save.best_model_path)
+    _fit(
+        [CallbackGroup([again, CostMonitor(price_per_device_hour=1.0)], name="mine")],
+        steps=5,
+        ckpt_path=save.best_model_path,
+    )
     assert again.batches == 4 + 1
 
 
@@ -206,6 +240,7 @@ def test_a_hook_taken_out_of_lightnings_dispatch_is_not_called_until_restored_an
     restore_hooks(counter)
     _fit([counter], steps=2)
     assert counter.batches == 2
+
     # A group's per-step hooks that no member has are not dispatched (they come back at its next set-up).
     class Starts(Callback):
         def on_train_batch_start(self, *args: Any) -> None:
@@ -220,11 +255,15 @@ def test_a_hook_taken_out_of_lightnings_dispatch_is_not_called_until_restored_an
     # when the precision plugin logs the norm, has nothing to do per step.
     group = CallbackGroup([GradNormMonitor(), Counter()])
     _fit([group], steps=2, plugins=[MixedPrecision("32-true")])
-    assert vars(group.callbacks[0])["on_before_optimizer_step"] is None and vars(group)["on_before_optimizer_step"] is None
+    assert (
+        vars(group.callbacks[0])["on_before_optimizer_step"] is None and vars(group)["on_before_optimizer_step"] is None
+    )
 
 
 def test_what_lightning_or_the_package_finds_by_type_stays_out_of_a_group() -> None:
-    with pytest.raises(TypeError, match=r"ModelCheckpoint cannot be in a CallbackGroup: .* Pass it to Trainer\(callbacks="):
+    with pytest.raises(
+        TypeError, match=r"ModelCheckpoint cannot be in a CallbackGroup: .* Pass it to Trainer\(callbacks="
+    ):
         CallbackGroup([Counter(), ModelCheckpoint()])
     with pytest.raises(TypeError, match=r"PreemptionCheckpoint cannot be in a CallbackGroup"):
         CallbackGroup([PreemptionCheckpoint()])

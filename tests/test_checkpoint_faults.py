@@ -31,10 +31,21 @@ def _torchrun(out: Path, layout: str, restarts: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", str(restarts), "--monitor-interval", "0.1",
-        str(SCRIPT), str(out), layout, str(STEPS),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.1",
+        str(SCRIPT),
+        str(out),
+        layout,
+        str(STEPS),
+    ]
     return subprocess.Popen(command, env=env, stdout=open(out / "log.txt", "w"), stderr=subprocess.STDOUT)
 
 
@@ -137,7 +148,10 @@ def test_sigkilled_workers_relaunch_resume_from_latest_and_end_bitwise_like_an_u
                 assert r["start_step"] == 0, r
     assert max(r["start_step"] for r in run["journal"]) > 0  # relaunches did resume, on their own
 
-    final, reference = load_full_checkpoint(tmp_path / "killed" / "final"), load_full_checkpoint(tmp_path / "straight" / "final")
+    final, reference = (
+        load_full_checkpoint(tmp_path / "killed" / "final"),
+        load_full_checkpoint(tmp_path / "straight" / "final"),
+    )
     assert final["global_step"] == reference["global_step"] == STEPS
     for name, value in reference["state_dict"].items():
         assert torch.equal(final["state_dict"][name], value), name

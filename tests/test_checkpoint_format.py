@@ -52,7 +52,10 @@ def test_a_committed_checkpoint_verifies_and_lists_its_files(tmp_path: Path) -> 
     ("damage", "match"),
     [
         (lambda p: (p / "__1_0.distcp").write_bytes(b"weightsweightX"), r"__1_0.distcp does not match its crc32"),
-        (lambda p: (p / "__0_0.distcp").write_bytes(b"wei"), r"__0_0.distcp has 3 bytes, the manifest says 7: truncated"),
+        (
+            lambda p: (p / "__0_0.distcp").write_bytes(b"wei"),
+            r"__0_0.distcp has 3 bytes, the manifest says 7: truncated",
+        ),
         (lambda p: (p / "__1_0.distcp").unlink(), r"__1_0.distcp is missing"),
         (lambda p: (p / MANIFEST).unlink(), r"manifest.json is missing: .* is not a \(complete\) checkpoint"),
         (lambda p: (p / MANIFEST).write_text("{not json"), r"manifest.json is not valid JSON"),
@@ -92,9 +95,13 @@ def test_a_version_1_manifest_still_verifies_and_a_newer_or_unhashed_one_is_refu
         verify(path)
     manifest["files"][0].pop("sha256")
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointCorruptError, match=r"lists '\.metadata' without a checksum \(one of \('crc32', 'sha256'\)\)"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"lists '\.metadata' without a checksum \(one of \('crc32', 'sha256'\)\)"
+    ):
         verify(path, checksums=False)
-    with pytest.raises(ValueError, match=r"checksum='md5' is not a checksum algorithm lightning-scale writes: choose one of"):
+    with pytest.raises(
+        ValueError, match=r"checksum='md5' is not a checksum algorithm lightning-scale writes: choose one of"
+    ):
         file_entries(path, ["__0_0.distcp"], checksum="md5")
 
 
@@ -158,9 +165,15 @@ def test_retention_keeps_the_newest_every_nth_and_the_protected(tmp_path: Path) 
     assert [c.step for c in keep] == [100, 200, 400, 500] and [c.step for c in delete] == [300]
     keep, delete = retained(found[:1], keep_last=1)
     assert [c.step for c in keep] == [100] and delete == []
-    with pytest.raises(ValueError, match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept\."):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept\.",
+    ):
         retained(found, keep_last=0)
-    with pytest.raises(ValueError, match=r"keep_every=0 must be a positive integer \(1 or more\)\. Or None: keep only the newest keep_last\."):
+    with pytest.raises(
+        ValueError,
+        match=r"keep_every=0 must be a positive integer \(1 or more\)\. Or None: keep only the newest keep_last\.",
+    ):
         retained(found, keep_last=1, keep_every=0)
 
 
@@ -285,7 +298,9 @@ def test_paths_and_urls_name_one_place_and_a_protocol_nobody_installed_says_what
     assert (child / "a.json").read_text() == "{}" and (child / "a.json").stat().st_size == 2
     assert (child / "a.json").relative_to(url).as_posix() == "step-000001/a.json"
     fsspec.filesystem("memory").rm("/storage-test", recursive=True)
-    with pytest.raises(ValueError, match=r"Cannot open the checkpoint location 'nosuchfs://b/x'.*lightning-scale\[s3\]"):
+    with pytest.raises(
+        ValueError, match=r"Cannot open the checkpoint location 'nosuchfs://b/x'.*lightning-scale\[s3\]"
+    ):
         as_path("nosuchfs://b/x")
     with pytest.raises(TypeError, match=r"must be a str or os.PathLike, got int"):
         as_path(3)

@@ -236,8 +236,12 @@ def test_every_row_before_a_step_is_on_disk_when_it_ends(tmp_path: Path) -> None
     logger = CSVLogger(tmp_path, name="", version="", flush_logs_every_n_steps=1000)
     probe = _OnDisk(tmp_path / "metrics.csv")
     trainer = _trainer(
-        5, HybridParallelStrategy(), logger=logger, log_every_n_steps=1, enable_checkpointing=True,
+        5,
+        HybridParallelStrategy(),
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=True,
         callbacks=[_every(tmp_path / "ckpts", 2), CsvHistory(logger), probe],
-    )  # fmt: skip
+    )
     trainer.fit(_Logged())
     assert probe.rows == [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]

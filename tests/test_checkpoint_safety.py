@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale.cli.ckpt import main as ckpt_main
-from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError
 from lightning_scale.core.checkpoint.checksums import file_checksum
+from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
 
@@ -63,10 +63,12 @@ class Tiny(LightningModule):
     def configure_optimizers(self) -> Any:
         params = list(self.parameters())
         optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
             lr=1e-2,
-        )  # fmt: skip
+        )
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
 
     def _data(self) -> DataLoader:
@@ -351,6 +353,7 @@ def _entry_points(ckpt: Path, out: Path) -> dict[str, tuple[bool, str]]:
     ):
         code, printed = _cli(*args)
         results[name] = (code != 0, printed)
+
     def fit() -> str:
         trainer = _trainer(3)
         trainer.fit(Tiny(), ckpt_path=str(ckpt))

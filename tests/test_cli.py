@@ -22,9 +22,9 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from lightning_scale.callbacks import PreemptionCheckpoint
-from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_checkpoint
 from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
 from lightning_scale.cli.job_config import planned_data_parallel_size
+from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_checkpoint
 from lightning_scale.cli.run import build
 from lightning_scale.core.checkpoint.format import CheckpointCorruptError, verify
 from lightning_scale.plugins import PREEMPTION_EXIT_CODE, MixedPrecision, ShardedCheckpointIO
@@ -48,9 +48,14 @@ def _train(
     *overrides: str, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [_executable(), *overrides], capture_output=True, text=True, timeout=timeout, env=env or _env(), cwd=cwd,
+        [_executable(), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or _env(),
+        cwd=cwd,
         check=False,
-    )  # fmt: skip
+    )
 
 
 def _train_until(line: str, sig: signal.Signals, *overrides: str, timeout: float = 400) -> tuple[int, str]:
@@ -58,9 +63,13 @@ def _train_until(line: str, sig: signal.Signals, *overrides: str, timeout: float
     lost machine; SIGTERM to the first process only, as Kubernetes or a cloud's spot notice does),
     then wait; returns (exit status, output). A run still going after ``timeout`` is killed."""
     proc = subprocess.Popen(
-        [_executable(), *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+        [_executable(), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
         start_new_session=True,  # its own process group, so SIGKILL reaches the ranks it starts
-    )  # fmt: skip
+    )
     watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
     watchdog.start()
     out, sent = [], False
@@ -89,7 +98,9 @@ class _Run:
     newest, so it is gone at step 300); None if the copy was missed."""
 
 
-def _copy_when_committed(pattern: str, cwd: Path, into: Path, proc: subprocess.Popen[str], deadline: float) -> Path | None:
+def _copy_when_committed(
+    pattern: str, cwd: Path, into: Path, proc: subprocess.Popen[str], deadline: float
+) -> Path | None:
     """While ``proc`` runs (until ``deadline``), copy the first checkpoint under ``cwd`` matching ``pattern``
     once committed (renamed into place from its hidden staging directory) into ``into``; returns the
     copy, or None if none was copied whole."""
@@ -116,17 +127,22 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> _R
     start = time.monotonic()
     # The cache the per-test fixture sets, which a module fixture runs before.
     with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
-        popen = subprocess.Popen([_executable()], stdout=out, stderr=err, text=True, cwd=cwd,
-                                 env=_env(LIGHTNING_SCALE_CACHE=str(data_cache)))  # fmt: skip
+        popen = subprocess.Popen(
+            [_executable()], stdout=out, stderr=err, text=True, cwd=cwd, env=_env(LIGHTNING_SCALE_CACHE=str(data_cache))
+        )
         try:
-            step_200 = _copy_when_committed("outputs/*/*/checkpoints/epoch=*-step=200.ckpt", cwd, logs, popen, start + 300)
+            step_200 = _copy_when_committed(
+                "outputs/*/*/checkpoints/epoch=*-step=200.ckpt", cwd, logs, popen, start + 300
+            )
             popen.wait(timeout=max(start + 300 - time.monotonic(), 1))
         finally:
             if popen.poll() is None:
                 popen.kill()
                 popen.wait()
     elapsed = time.monotonic() - start
-    proc = subprocess.CompletedProcess(popen.args, popen.returncode, (logs / "stdout").read_text(), (logs / "stderr").read_text())
+    proc = subprocess.CompletedProcess(
+        popen.args, popen.returncode, (logs / "stdout").read_text(), (logs / "stderr").read_text()
+    )
     run_dirs = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
     # One run directory: the child process did not compose (and date) a run of its own.
     assert len(run_dirs) == 1, (run_dirs, proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -156,18 +172,28 @@ def test_default_run_trains_two_processes_and_the_loss_falls(quickstart: _Run) -
     assert (run_dir / "csv" / "metrics.csv").is_file()
     # train.log holds what the console showed: the package's lines and Lightning's messages.
     log = (run_dir / "train.log").read_text()
-    for line in ("lightning-scale-train: ", "step 300/300 | train/loss", "HybridParallelStrategy: dp=2", "`Trainer.fit` stopped", "summary: "):
+    for line in (
+        "lightning-scale-train: ",
+        "step 300/300 | train/loss",
+        "HybridParallelStrategy: dp=2",
+        "`Trainer.fit` stopped",
+        "summary: ",
+    ):
         assert line in log, line
     # Where its wall time went (GoodputMonitor, on by default): one attempt, the parts adding up to the whole.
     goodput = summary["goodput"]
     assert (goodput["attempts"], goodput["interruptions"], goodput["lost_s"]) == (1, 0, 0.0)
     assert 0 < goodput["goodput"] < 1 and abs(goodput["unaccounted_s"]) < 1e-6
     assert json.loads((run_dir / "results.json").read_text())["goodput"] == goodput
-    assert quickstart.elapsed_s < 180, f"the quickstart must finish in under 3 minutes on 2 cores, took {quickstart.elapsed_s:.0f} s"
+    assert quickstart.elapsed_s < 180, (
+        f"the quickstart must finish in under 3 minutes on 2 cores, took {quickstart.elapsed_s:.0f} s"
+    )
 
 
 @pytest.mark.slow
-def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(quickstart: _Run, tmp_path: Path) -> None:
+def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(
+    quickstart: _Run, tmp_path: Path
+) -> None:
     """The default config (checkpoints every 100 steps) lost at step 220 with SIGKILL, resumed with
     ckpt_path=latest, preempted with SIGTERM at step 260, resumed again: the final validation loss is
     the uninterrupted run's (the quickstart's), bit for bit.
@@ -236,9 +262,15 @@ def _cfg(*overrides: str, run_dir: str | Path = "unused"):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["model.n_heads=5"], r"d_model=128 is not divisible by n_heads=5.*Use n_heads in \[1, 2, 4, 8, 16, 32, 64, 128\]"),
+        (
+            ["model.n_heads=5"],
+            r"d_model=128 is not divisible by n_heads=5.*Use n_heads in \[1, 2, 4, 8, 16, 32, 64, 128\]",
+        ),
         (["data.path=/no/such/corpus.txt"], r"Data path '/no/such/corpus.txt' does not exist.*leave the path unset"),
-        (["data.seq_len=512"], r"data.seq_len=512 exceeds the model's context model.block_size=256. Set data.seq_len<=256"),
+        (
+            ["data.seq_len=512"],
+            r"data.seq_len=512 exceeds the model's context model.block_size=256. Set data.seq_len<=256",
+        ),
         (["data.global_batch_size=1"], r"global_batch_size=1 is smaller than the number of data-parallel ranks \(2\)"),
         (["data.global_batch_size=3"], r"global_batch_size=3 does not split evenly over 2 data-parallel ranks"),
         (["model.vocab_size=100"], r"token ids up to 255 but model.vocab_size=100. Set model.vocab_size>=256"),
@@ -299,7 +331,10 @@ def test_pipeline_strategy_with_a_cost_balanced_partition_from_the_command_line(
     # The command as a user types it. The CLI validates before it fits: the blocks are timed on a
     # validation batch (the datamodule has no training split yet), and the cut made then serves the fit.
     proc = _train(
-        "strategy=pipeline", "strategy.partition=by_cost", "trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}",
+        "strategy=pipeline",
+        "strategy.partition=by_cost",
+        "trainer.max_steps=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -320,7 +355,9 @@ def test_the_main_job_runs_on_the_package_and_lightning_ddp_stays_for_comparison
     module, _, trainer, _ = build(_cfg())
     strategy = trainer.strategy
     assert isinstance(strategy, HybridParallelStrategy) and isinstance(strategy.checkpoint_io, ShardedCheckpointIO)
-    assert isinstance(trainer.precision_plugin, MixedPrecision) and strategy.precision_plugin is trainer.precision_plugin
+    assert (
+        isinstance(trainer.precision_plugin, MixedPrecision) and strategy.precision_plugin is trainer.precision_plugin
+    )
     # Hydra's lists reach the module as plain values: its checkpoints load with weights_only=True.
     buffer = io.BytesIO()
     torch.save(dict(module.hparams), buffer)
@@ -359,14 +396,21 @@ def test_ddp_preemption_then_latest_and_last_resume(tmp_path: Path) -> None:
     exits with PREEMPTION_EXIT_CODE; ckpt_path=latest resumes from it; ckpt_path=last names a file that
     loads as Lightning loads it (weights_only=True)."""
     run_dir = tmp_path / "run"
-    common = ["strategy=ddp", "trainer.limit_val_batches=2", "callbacks.checkpoint.every_n_train_steps=10",
-              "logger=none", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    common = [
+        "strategy=ddp",
+        "trainer.limit_val_batches=2",
+        "callbacks.checkpoint.every_n_train_steps=10",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+    ]
     status, out = _train_until("step 20/1000", signal.SIGTERM, *common, "trainer.max_steps=1000")
     assert status == PREEMPTION_EXIT_CODE, out[-3000:]
     (preempted,) = (run_dir / "checkpoints").glob("step-*.ckpt")
     state = torch.load(preempted, weights_only=True)
     step = state["global_step"]
-    assert preempted.name == f"step-{step:06d}.ckpt" and step >= 20 and state["hyper_parameters"]["betas"] == (0.9, 0.95)
+    assert (
+        preempted.name == f"step-{step:06d}.ckpt" and step >= 20 and state["hyper_parameters"]["betas"] == (0.9, 0.95)
+    )
 
     last = run_dir / "checkpoints" / "last.ckpt"
     assert resume_checkpoint(_cfg("strategy=ddp", "ckpt_path=last", run_dir=run_dir)) == str(last)

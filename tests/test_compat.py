@@ -25,7 +25,6 @@ import json
 import pickle
 import pickletools
 import re
-import tomllib
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import tomllib
 import torch
 from torch import nn
 
@@ -80,9 +80,13 @@ def _quiet_trainer() -> Any:
     from lightning.pytorch import Trainer
 
     return Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
 
 
 @cache
@@ -254,7 +258,9 @@ def canary_keep_lowered_actions() -> None:
     runtime = schedules._PipelineScheduleRuntime
     assert issubclass(schedules.ScheduleZBVZeroBubble, runtime)
     assert issubclass(schedules.ScheduleDualPipeV, runtime)
-    assert "self.pipeline_order_with_comms" in _source(runtime), "the lowered order is no longer pipeline_order_with_comms"
+    assert "self.pipeline_order_with_comms" in _source(runtime), (
+        "the lowered order is no longer pipeline_order_with_comms"
+    )
     kept, dropped = object(), object()
     schedule = SimpleNamespace(
         pipeline_order_with_comms={0: [schedules._Action(0, kept, 0), schedules._Action(1, dropped, 0)]}
@@ -317,7 +323,9 @@ def canary_default_store() -> None:
     try:
         found, keys = c10d.default_store(), store.num_keys()
         found.set("lightning_scale/canary", "1")  # a key of the group's own store (under the group's prefix)
-        assert isinstance(found, dist.Store) and found.check(["lightning_scale/canary"]) and store.num_keys() == keys + 1
+        assert (
+            isinstance(found, dist.Store) and found.check(["lightning_scale/canary"]) and store.num_keys() == keys + 1
+        )
     finally:
         dist.destroy_process_group()
 
@@ -440,7 +448,10 @@ def canary_dcp_memory_format_encoding() -> None:
 
     encoding = tc.dcp_memory_format_encoding()
     assert set(encoding.__members__) >= {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"}
-    assert (encoding.__module__, encoding.__qualname__) == ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+    assert (encoding.__module__, encoding.__qualname__) == (
+        "torch.distributed.checkpoint.metadata",
+        "_MEM_FORMAT_ENCODING",
+    )
     assert "_MEM_FORMAT_ENCODING" in _source(TensorProperties.__getstate__)
 
 
@@ -477,7 +488,11 @@ def canary_torch_save_layout() -> None:
             data = archive.read(records["data.pkl"])
         assert _globals(data) == {tc.TORCH_SAVE_REBUILD_TENSOR, ("torch", storage), ("collections", "OrderedDict")}
         rebuilt = _Rebuild(io.BytesIO(data)).load()
-        assert rebuilt == ("call", tc.TORCH_SAVE_REBUILD_TENSOR, (("storage", storage, "0", "cpu", 6), 0, (2, 3), (3, 1), False, OrderedDict()))
+        assert rebuilt == (
+            "call",
+            tc.TORCH_SAVE_REBUILD_TENSOR,
+            (("storage", storage, "0", "cpu", 6), 0, (2, 3), (3, 1), False, OrderedDict()),
+        )
 
 
 # ---------------------------------------------------------------- Lightning's canaries
@@ -497,7 +512,9 @@ def canary_resume_start() -> None:
     # Called through the instance, so that an instance attribute wraps it.
     assert "self.resume_start(checkpoint_path, weights_only=weights_only)" in _source(module)
     calls: list[Any] = []
-    trainer = SimpleNamespace(_checkpoint_connector=SimpleNamespace(resume_start=lambda p, weights_only: calls.append((p, weights_only))))
+    trainer = SimpleNamespace(
+        _checkpoint_connector=SimpleNamespace(resume_start=lambda p, weights_only: calls.append((p, weights_only)))
+    )
     lc.wrap_resume_start(trainer, lambda path: f"resolved {path}")
     lc.wrap_resume_start(trainer, lambda path: "twice")  # once per trainer
     trainer._checkpoint_connector.resume_start("latest", weights_only=False)
@@ -506,7 +523,9 @@ def canary_resume_start() -> None:
 
 def canary_restore_training_state() -> None:
     present("restore_training_state")
-    connector = probe("restore_training_state", "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector")
+    connector = probe(
+        "restore_training_state", "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector"
+    )
     assert connector._loaded_checkpoint == {}
     for name in ("restore_model", "restore_precision_plugin_state", "restore_optimizers_and_schedulers"):
         assert _params(getattr(type(connector), name)) == ["self"], name
@@ -515,7 +534,9 @@ def canary_restore_training_state() -> None:
 def canary_logger_connector() -> None:
     present("logger_connector")
     trainer = probe("logger_connector", "lightning.pytorch.Trainer")
-    connector_type = _owner_class("lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector")
+    connector_type = _owner_class(
+        "lightning.pytorch.trainer.connectors.logger_connector.logger_connector._LoggerConnector"
+    )
     assert isinstance(inspect.getattr_static(connector_type, "should_update_logs"), property)
     assert _params(connector_type.log_metrics)[:3] == ["self", "metrics", "step"]
     assert lc.should_update_logs(trainer) is True
@@ -524,7 +545,9 @@ def canary_logger_connector() -> None:
 
 def canary_should_accumulate() -> None:
     present("should_accumulate")
-    assert _params(_owner_class("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop")._should_accumulate) == ["self"]
+    assert _params(
+        _owner_class("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop")._should_accumulate
+    ) == ["self"]
     assert lc.should_accumulate(probe("should_accumulate", "lightning.pytorch.Trainer")) is False
 
 
@@ -543,8 +566,14 @@ def canary_batches_that_stepped() -> None:
 def canary_update_learning_rates() -> None:
     present("update_learning_rates")
     module = importlib.import_module("lightning.pytorch.loops.training_epoch_loop")
-    assert _params(module._TrainingEpochLoop._update_learning_rates) == ["self", "interval", "update_plateau_schedulers"]
-    assert re.search(r"self\._update_learning_rates\(\s*interval=", _source(module)), "no longer called through the instance"
+    assert _params(module._TrainingEpochLoop._update_learning_rates) == [
+        "self",
+        "interval",
+        "update_plateau_schedulers",
+    ]
+    assert re.search(r"self\._update_learning_rates\(\s*interval=", _source(module)), (
+        "no longer called through the instance"
+    )
     trainer = probe("update_learning_rates", "lightning.pytorch.Trainer")
     lc.wrap_update_learning_rates(trainer, lambda interval: interval == "step")
     assert trainer.fit_loop.epoch_loop._update_learning_rates("epoch", update_plateau_schedulers=False) is None
@@ -563,7 +592,9 @@ def canary_broadcast_sigterm_tensor() -> None:
 
 def canary_skip_backward() -> None:
     present("skip_backward")
-    assert isinstance(inspect.getattr_static(_owner_class("lightning.pytorch.loops.fit_loop._FitLoop"), "_skip_backward"), property)
+    assert isinstance(
+        inspect.getattr_static(_owner_class("lightning.pytorch.loops.fit_loop._FitLoop"), "_skip_backward"), property
+    )
     assert lc.skips_backward(probe("skip_backward", "lightning.pytorch.Trainer")) is False
 
 
@@ -655,7 +686,9 @@ def canary_init_dist_connection() -> None:
     present("init_dist_connection")
     distributed = importlib.import_module("lightning.fabric.utilities.distributed")
     assert _params(distributed._init_dist_connection)[:2] == ["cluster_environment", "torch_distributed_backend"]
-    assert inspect.signature(distributed._init_dist_connection).parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    assert (
+        inspect.signature(distributed._init_dist_connection).parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD
+    )
 
 
 def canary_migrate_checkpoint() -> None:
@@ -671,7 +704,11 @@ def canary_load_state() -> None:
     import lightning
 
     module = _hyper_module(a=1)
-    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": {"a": 2}, "pytorch-lightning_version": lightning.__version__}
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": {"a": 2},
+        "pytorch-lightning_version": lightning.__version__,
+    }
     loaded = lc.load_module_state(type(module), checkpoint, strict=True)
     assert type(loaded) is type(module) and loaded.hparams.a == 2
 
@@ -711,8 +748,14 @@ def test_every_shim_has_a_canary_and_every_canary_a_shim() -> None:
 
 
 INFRASTRUCTURE = {
-    "SHIMS", "Shim", "PrivateAPIMissing", "private_api", "WRITTEN_AGAINST", "TORCH_VERSION", "LIGHTNING_VERSION",
-}  # fmt: skip
+    "SHIMS",
+    "Shim",
+    "PrivateAPIMissing",
+    "private_api",
+    "WRITTEN_AGAINST",
+    "TORCH_VERSION",
+    "LIGHTNING_VERSION",
+}
 
 
 @pytest.mark.parametrize("module", COMPAT_MODULES, ids=lambda m: m.__name__)
@@ -732,7 +775,10 @@ def test_every_target_belongs_to_one_entry_and_resolves() -> None:
 
 def test_every_entry_names_its_release_and_can_be_removed() -> None:
     for name, shim in SHIMS.items():
-        assert re.fullmatch(r"(torch|lightning|fsspec) \d+\.\d+\.\d+", shim.written_against), (name, shim.written_against)
+        assert re.fullmatch(r"(torch|lightning|fsspec) \d+\.\d+\.\d+", shim.written_against), (
+            name,
+            shim.written_against,
+        )
         assert any(removable(t) for t in shim.targets), f"{name}: no target the removal test can take away"
 
 
@@ -779,7 +825,9 @@ def _next_minor(version: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("package", "version"), [("torch", tc.TORCH_VERSION), ("lightning", lc.LIGHTNING_VERSION)], ids=["torch", "lightning"]
+    ("package", "version"),
+    [("torch", tc.TORCH_VERSION), ("lightning", lc.LIGHTNING_VERSION)],
+    ids=["torch", "lightning"],
 )
 def test_the_upper_bound_is_the_release_the_canaries_were_written_against(package: str, version: str) -> None:
     requirement = _requirement(package)
@@ -788,7 +836,9 @@ def test_the_upper_bound_is_the_release_the_canaries_were_written_against(packag
         f"{_next_minor(version)} (or check the canaries against the newer release and move both)."
     )
     installed = importlib.import_module(package).__version__
-    assert installed.split(".")[:2] == version.split(".")[:2], f"{package} {installed} is installed, the canaries are for {version}"
+    assert installed.split(".")[:2] == version.split(".")[:2], (
+        f"{package} {installed} is installed, the canaries are for {version}"
+    )
 
 
 def test_should_update_logs_answers_as_lightnings_property_at_every_hook_of_a_fit() -> None:
@@ -817,9 +867,19 @@ def test_should_update_logs_answers_as_lightnings_property_at_every_hook_of_a_fi
 
     for every, stop_at, seen in ((3, 13, {True, False}), (0, None, {False})):
         compare = Compare(stop_at)
-        trainer = Trainer(accelerator="cpu", max_steps=12, accumulate_grad_batches=2, log_every_n_steps=every,
-                          limit_train_batches=9, limit_val_batches=2, val_check_interval=4, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[compare])  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=12,
+            accumulate_grad_batches=2,
+            log_every_n_steps=every,
+            limit_train_batches=9,
+            limit_val_batches=2,
+            val_check_interval=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[compare],
+        )
         trainer.fit(BoringModel())
         assert compare.seen == seen

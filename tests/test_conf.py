@@ -39,7 +39,11 @@ def _options(group: str) -> list[str]:
 
 def _sweeps() -> list[str]:
     """The experiments that are sweeps (``hydra.mode: MULTIRUN``): tests/test_sweep.py expands them."""
-    return [name for name in _options("experiment") if "mode: MULTIRUN" in (CONF / "experiment" / f"{name}.yaml").read_text()]
+    return [
+        name
+        for name in _options("experiment")
+        if "mode: MULTIRUN" in (CONF / "experiment" / f"{name}.yaml").read_text()
+    ]
 
 
 def _compose(*overrides: str) -> Any:
@@ -170,7 +174,10 @@ def test_wandb_logger_writes_an_offline_run_and_finishes_it(tmp_path: Path) -> N
 def test_deepspeed_presets_name_the_cpu_equivalent(stage: int, mode: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("the error is for machines without CUDA")
-    with pytest.raises(ValueError, match=rf"deepspeed_zero{stage} uses Lightning's DeepSpeedStrategy, which needs CUDA GPUs.*strategy=hybrid strategy.data_parallel_mode={mode}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"deepspeed_zero{stage} uses Lightning's DeepSpeedStrategy, which needs CUDA GPUs.*strategy=hybrid strategy.data_parallel_mode={mode}",
+    ):
         _instantiate(_compose(f"strategy=deepspeed_zero{stage}").strategy)  # as the CLI does, unwrapping Hydra's error
 
 

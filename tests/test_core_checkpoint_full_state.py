@@ -193,5 +193,7 @@ def test_a_numbered_optimizer_state_that_cannot_be_matched_is_refused() -> None:
         load_full_optimizer_state(stage, torch.optim.AdamW(stage.parameters()), numbered, partial=True)
     model = copy.deepcopy(trained)
     split = torch.optim.AdamW([{"params": [model.emb.weight]}, {"params": list(model.parameters())[1:]}])
-    with pytest.raises(ValueError, match=r"groups of \[6\] parameters and configure_optimizers built groups of \[1, 5\]"):
+    with pytest.raises(
+        ValueError, match=r"groups of \[6\] parameters and configure_optimizers built groups of \[1, 5\]"
+    ):
         load_full_optimizer_state(model, split, numbered)

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _state() -> dict[str, torch.Tensor]:
-    return {"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.ones(4, dtype=torch.bfloat16), "step": torch.tensor(7)}
+    return {
+        "weight": torch.arange(12.0).reshape(3, 4),
+        "bias": torch.ones(4, dtype=torch.bfloat16),
+        "step": torch.tensor(7),
+    }
 
 
 def _independent(data: bytes, checksum: str) -> str:

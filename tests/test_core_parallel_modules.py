@@ -34,7 +34,9 @@ def test_a_matcher_is_a_module_class_or_a_predicate() -> None:
     message = "register needs an nn.Module subclass or a predicate on modules, got <class 'int'>"
     with pytest.raises(TypeError, match=re.escape(message)):
         check_matcher("register", int)
-    with pytest.raises(TypeError, match=re.escape("register needs an nn.Module subclass or a predicate on modules, got 'Block'")):
+    with pytest.raises(
+        TypeError, match=re.escape("register needs an nn.Module subclass or a predicate on modules, got 'Block'")
+    ):
         check_matcher("register", "Block")
 
 
@@ -42,8 +44,11 @@ def test_subclasses_match_their_base_and_modules_inside_a_match_are_skipped() ->
     model = _Model()
     found = outermost_registered(model, {_Block: "block", nn.Linear: "linear"})
     assert [(name, entry) for name, _, entry in found] == [
-        ("first", "block"), ("rest.0", "block"), ("rest.1.0", "block"), ("head", "linear")
-    ]  # fmt: skip
+        ("first", "block"),
+        ("rest.0", "block"),
+        ("rest.1.0", "block"),
+        ("head", "linear"),
+    ]
     assert found[1][1] is model.rest[0]
 
 
@@ -52,8 +57,11 @@ def test_the_most_derived_registered_class_wins_and_types_go_before_predicates()
     registry = {lambda m: isinstance(m, nn.Linear): "predicate", _Block: "block", _SubBlock: "sub"}
     found = outermost_registered(model, registry)
     assert [(name, entry) for name, _, entry in found] == [
-        ("first", "block"), ("rest.0", "sub"), ("rest.1.0", "block"), ("head", "predicate")
-    ]  # fmt: skip
+        ("first", "block"),
+        ("rest.0", "sub"),
+        ("rest.1.0", "block"),
+        ("head", "predicate"),
+    ]
 
 
 def test_a_matching_root_is_named_empty_and_hides_everything_inside() -> None:
@@ -68,8 +76,11 @@ def test_the_first_predicate_that_matches_gives_the_entry() -> None:
 
     found = outermost_registered(_Model(), {is_named_head: "head", (lambda m: isinstance(m, nn.Linear)): "any"})
     assert [(name, entry) for name, _, entry in found] == [
-        ("first.proj", "any"), ("rest.0.proj", "any"), ("rest.1.0.proj", "any"), ("head", "head")
-    ]  # fmt: skip
+        ("first.proj", "any"),
+        ("rest.0.proj", "any"),
+        ("rest.1.0.proj", "any"),
+        ("head", "head"),
+    ]
 
 
 def test_tied_parameters_are_grouped_by_identity_in_registration_order() -> None:

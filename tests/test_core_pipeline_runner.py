@@ -46,9 +46,13 @@ def _spec(**overrides: Any) -> PipelineSpec:
     return PipelineSpec(**{"blocks": BLOCKS, "first": ["emb"], "last": ["head"], "loss_fn": _mse, **overrides})
 
 
-def _runner(model: nn.Module, mesh: DeviceMesh, schedule: str = "gpipe", microbatches: int = 2, **kwargs: Any) -> PipelineRunner:
+def _runner(
+    model: nn.Module, mesh: DeviceMesh, schedule: str = "gpipe", microbatches: int = 2, **kwargs: Any
+) -> PipelineRunner:
     kwargs.setdefault("partition", "by_layers")
-    runner = PipelineRunner(model, kwargs.pop("spec", _spec()), mesh, schedule=schedule, microbatches=microbatches, device=CPU, **kwargs)
+    runner = PipelineRunner(
+        model, kwargs.pop("spec", _spec()), mesh, schedule=schedule, microbatches=microbatches, device=CPU, **kwargs
+    )
     runner.build()
     return runner
 
@@ -65,7 +69,9 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zb
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_a_training_step_gives_the_whole_models_loss_and_the_scaled_gradients(world_of_one: DeviceMesh, schedule: str) -> None:
+def test_a_training_step_gives_the_whole_models_loss_and_the_scaled_gradients(
+    world_of_one: DeviceMesh, schedule: str
+) -> None:
     torch.manual_seed(0)
     whole = _Net()
     model = copy.deepcopy(whole)
@@ -144,7 +150,9 @@ class _Tied(nn.Module):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b"])
-def test_a_weight_tied_across_stages_of_one_rank_gets_the_one_process_gradient(world_of_one: DeviceMesh, schedule: str) -> None:
+def test_a_weight_tied_across_stages_of_one_rank_gets_the_one_process_gradient(
+    world_of_one: DeviceMesh, schedule: str
+) -> None:
     torch.manual_seed(0)
     whole = _Tied()
     model = copy.deepcopy(whole)
@@ -206,8 +214,13 @@ def test_several_stages_on_a_rank_run_views_of_their_own_blocks(world_of_one: De
     first, second = runner.stage_modules()
     assert first is not model and second is not model
     assert [n for n, _ in first.named_parameters()] == [
-        "emb.weight", "emb.bias", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"
-    ]  # fmt: skip
+        "emb.weight",
+        "emb.bias",
+        "blocks.0.weight",
+        "blocks.0.bias",
+        "blocks.1.weight",
+        "blocks.1.bias",
+    ]
     assert first.head is None and second.emb is None
     assert second.blocks[0] is model.blocks[2]  # shared, not copied
     assert runner.describe() == (
@@ -243,7 +256,9 @@ def test_by_params_weighs_blocks_by_their_parameter_counts(world_of_one: DeviceM
 def test_by_cost_cuts_on_the_measured_block_times(world_of_one: DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[Any] = []
 
-    def measure_costs(root: nn.Module, spec: PipelineSpec, batch: Any, microbatches: int) -> tuple[list[float], float, float]:
+    def measure_costs(
+        root: nn.Module, spec: PipelineSpec, batch: Any, microbatches: int
+    ) -> tuple[list[float], float, float]:
         measured.append((batch, microbatches))
         return [0.25, 0.5, 0.125, 0.125], 0.0625, 0.03125
 
@@ -262,9 +277,9 @@ def test_parameters_outside_the_declared_modules_are_named_and_kept_on_the_stage
     assert runner.shared_parameters == ["gain"]
     assert runner.describe().endswith("; on every stage, kept in step: ['gain']")
     assert runner._stage_of(runner.spec, "gain") is None
-    assert [runner._stage_of(runner.spec, n) for n in ("emb.weight", "blocks.1.bias", "blocks.2.weight", "head.bias")] == [
-        0, 0, 1, 1
-    ]  # fmt: skip
+    assert [
+        runner._stage_of(runner.spec, n) for n in ("emb.weight", "blocks.1.bias", "blocks.2.weight", "head.bias")
+    ] == [0, 0, 1, 1]
 
 
 class _Counting(_Net):
@@ -280,7 +295,9 @@ class _Counting(_Net):
 
 def test_a_buffer_outside_the_declared_modules_that_training_changes_is_refused(world_of_one: DeviceMesh) -> None:
     runner = _runner(_Counting(), world_of_one, "gpipe")
-    with pytest.raises(ValueError, match=re.escape("Buffers ['seen'] of _Counting lie outside every module its pipeline spec")):
+    with pytest.raises(
+        ValueError, match=re.escape("Buffers ['seen'] of _Counting lie outside every module its pipeline spec")
+    ):
         runner.train_step(*_batch(4), scale=1.0)
 
 
@@ -316,10 +333,14 @@ def test_a_spec_without_a_loss_is_refused(world_of_one: DeviceMesh) -> None:
 
 
 def test_by_cost_needs_an_example_batch_of_one_input_tensor(world_of_one: DeviceMesh) -> None:
-    with pytest.raises(ValueError, match=r"partition='by_cost' times every block on a real batch, but no example batch"):
+    with pytest.raises(
+        ValueError, match=r"partition='by_cost' times every block on a real batch, but no example batch"
+    ):
         _runner(_Net(), world_of_one, partition="by_cost")
     x, target = _batch(4)
-    with pytest.raises(ValueError, match=r"partition='by_cost' times blocks on a single inputs tensor; use 'by_params'"):
+    with pytest.raises(
+        ValueError, match=r"partition='by_cost' times blocks on a single inputs tensor; use 'by_params'"
+    ):
         _runner(_Net(), world_of_one, partition="by_cost", example_batch=((x, x), target))
 
 

@@ -57,7 +57,9 @@ def test_each_schedule_is_torchs_by_name_and_leaves_the_gradients_unscaled(
     world_of_one: DeviceMesh, name: str, count: int, cls: type
 ) -> None:
     stages = _stages(world_of_one, count)
-    assert [type(s) for s in stages] == [GradSyncStage] * count and [s.stage_index for s in stages] == list(range(count))
+    assert [type(s) for s in stages] == [GradSyncStage] * count and [s.stage_index for s in stages] == list(
+        range(count)
+    )
     schedule = build_schedule(name, stages, 2, _mse)
     assert type(schedule) is cls and schedule.scale_grads is False and schedule._n_microbatches == 2
 
@@ -93,7 +95,9 @@ def test_a_v_shaped_schedule_evaluates_with_the_forward_actions_of_zbv_on_stages
     full = ScheduleZBVZeroBubble(_stages(world_of_one, 2), 4, loss_fn=_mse).pipeline_order_with_comms
     forward = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
     kept = {rank: [str(a) for a in actions] for rank, actions in schedule.pipeline_order_with_comms.items()}
-    assert kept == {rank: [str(a) for a in actions if a.computation_type.value in forward] for rank, actions in full.items()}
+    assert kept == {
+        rank: [str(a) for a in actions if a.computation_type.value in forward] for rank, actions in full.items()
+    }
     # One rank, 2 stages, 4 micro-batches: every forward in the training order, within the unshard and
     # reshard of each stage; no backward, no gradient reduction.
     assert kept == {

@@ -109,7 +109,11 @@ TIED = [["tok_emb.weight", "head.weight"], ["a.weight", "b.weight"]]
     ],
 )
 def test_the_first_pipeline_rank_holding_a_tied_weight_counts_it_and_every_row_gets_a_group(
-    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int, int], rank: int, groups: list[list[int]], mine: tuple[int, ...]
+    monkeypatch: pytest.MonkeyPatch,
+    shape: tuple[int, int, int],
+    rank: int,
+    groups: list[list[int]],
+    mine: tuple[int, ...],
 ) -> None:
     fake = _FakeDist(rank, holders=[{0, 1}, {0}])  # the second tie lives on pipeline rank 0 alone
     monkeypatch.setattr(ties, "dist", fake)

@@ -35,9 +35,17 @@ def test_other_modes_have_no_scaler_and_resolve_the_reduce_dtype_and_norm() -> N
     ("precision", "kwargs", "match"),
     [
         ("fp8", {}, r"precision='fp8' is not one of"),
-        ("bf16-mixed", {"scaler": UNSET | {"min_scale": 2.0}}, r"min_scale=2.0: loss-scaler options apply to precision='fp16-mixed' only"),
+        (
+            "bf16-mixed",
+            {"scaler": UNSET | {"min_scale": 2.0}},
+            r"min_scale=2.0: loss-scaler options apply to precision='fp16-mixed' only",
+        ),
         ("bf16-mixed", {"nonfinite_grads": "warn"}, r"nonfinite_grads='warn' is not one of 'ignore', 'raise', 'skip'"),
-        ("fp16-mixed", {"nonfinite_grads": "raise"}, r"nonfinite_grads='raise' with precision='fp16-mixed'.*Leave nonfinite_grads unset"),
+        (
+            "fp16-mixed",
+            {"nonfinite_grads": "raise"},
+            r"nonfinite_grads='raise' with precision='fp16-mixed'.*Leave nonfinite_grads unset",
+        ),
         ("32-true", {"reduce_dtype": "fp8"}, r"reduce_dtype='fp8' is not one of"),
         ("32-true", {"reduce_dtype": torch.float64}, r"reduce_dtype=torch.float64 must be torch.float32"),
         ("32-true", {"norm_type": 0}, r"norm_type=0 must be a positive number or inf"),

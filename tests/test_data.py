@@ -195,8 +195,14 @@ def test_resuming_at_another_data_parallel_size_continues_the_same_global_batche
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"global_batch_size": 1, "dp_size": 2}, r"global_batch_size=1 is smaller than the number of data-parallel ranks \(2\).*Use global_batch_size >= 2"),
-        ({"global_batch_size": 6, "dp_size": 4}, r"global_batch_size=6 does not split evenly over 4 data-parallel ranks. Use a multiple of 4, e.g. 4 or 8"),
+        (
+            {"global_batch_size": 1, "dp_size": 2},
+            r"global_batch_size=1 is smaller than the number of data-parallel ranks \(2\).*Use global_batch_size >= 2",
+        ),
+        (
+            {"global_batch_size": 6, "dp_size": 4},
+            r"global_batch_size=6 does not split evenly over 4 data-parallel ranks. Use a multiple of 4, e.g. 4 or 8",
+        ),
         ({"global_batch_size": 200}, r"The dataset has 100 samples, fewer than one global batch of 200"),
         ({"global_batch_size": 4, "dp_rank": 2, "dp_size": 2}, r"dp_rank=2 must lie in \[0, dp_size=2\)"),
     ],
@@ -222,7 +228,9 @@ def test_datamodule_rejects_a_missing_path_at_construction(tmp_path: Path) -> No
 
 def test_datamodule_rejects_a_batch_smaller_than_the_data_parallel_size() -> None:
     dm = TextDataModule(global_batch_size=2)
-    with pytest.raises(ValueError, match=r"global_batch_size=2 is smaller than the number of data-parallel ranks \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=2 is smaller than the number of data-parallel ranks \(4\)"
+    ):
         dm.check_data_parallel(4)
 
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import lightning_scale  # noqa: F401
-from lightning_scale.core.pipeline.block_costs import measure_costs
 from lightning_scale.core.parallel.deferred_init import DeferredInit
+from lightning_scale.core.pipeline.block_costs import measure_costs
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPT, GPTConfig, GPTLightningModule
 from lightning_scale.models.parallel import gpt_pipeline_spec
@@ -96,7 +96,10 @@ class _HalfInit(nn.Module):
 def test_a_meta_tensor_nobody_initialises_is_refused_before_any_work() -> None:
     with torch.device("meta"):
         root = nn.ModuleDict({"body": nn.Linear(2, 2), "custom": _Scale()})
-    with pytest.raises(ValueError, match=r"nothing can initialise them: \['custom.scale \(_Scale\)'\].*reset_parameters\(\).*_init_weights\(self, module\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing can initialise them: \['custom.scale \(_Scale\)'\].*reset_parameters\(\).*_init_weights\(self, module\)",
+    ):
         DeferredInit.plan(root)
 
 
@@ -106,7 +109,9 @@ def test_an_initialiser_that_leaves_a_tensor_unset_is_named() -> None:
     plan = DeferredInit.plan(root)
     assert plan is not None
     problems = plan.materialize(root, torch.device("cpu"), 0)
-    assert problems == ["part.table: _HalfInit.reset_parameters() left non-finite values (it does not initialise this tensor)"]
+    assert problems == [
+        "part.table: _HalfInit.reset_parameters() left non-finite values (it does not initialise this tensor)"
+    ]
 
 
 def test_by_cost_times_a_meta_model_one_piece_at_a_time_and_leaves_it_on_meta() -> None:
@@ -155,9 +160,15 @@ class _DeferredLlama(LightningModule):
             import transformers
 
             config = transformers.LlamaConfig(
-                vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-            )  # fmt: skip
+                vocab_size=256,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+            )
             self.model = transformers.LlamaForCausalLM(config)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -219,7 +230,9 @@ def test_deferred_initialisation_gives_the_same_full_parameters_at_every_layout(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in LAYOUTS if c.startswith("gpt")])
-def test_a_deferred_model_trains_like_one_process(single: dict[str, Any], layouts: list[dict[str, Any]], case: str) -> None:
+def test_a_deferred_model_trains_like_one_process(
+    single: dict[str, Any], layouts: list[dict[str, Any]], case: str
+) -> None:
     assert_parity([rank[case] for rank in layouts], single["gpt"])
 
 
@@ -252,7 +265,9 @@ def _set_up_big(rank: int, world: int, mode: str, partition: str, checkpoint: st
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
     start = _window_start()
     layout = {"data_parallel": 1, "tensor_parallel": 2, "pipeline_parallel": 2, "partition": partition}
-    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(**layout), max_steps=0, num_sanity_val_steps=0)
+    trainer = quiet_trainer(
+        devices=world, strategy=HybridParallelStrategy(**layout), max_steps=0, num_sanity_val_steps=0
+    )
     module = GPTLightningModule(BIG, deferred_init=mode == "deferred")  # eager: built (whole) right here
     data = TextDataModule(seq_len=64, global_batch_size=4)
     trainer.fit(module, datamodule=data)
@@ -335,8 +350,10 @@ def test_set_up_of_a_deferred_model_holds_its_shard_not_the_model(big_checkpoint
     deferred = run_distributed(_set_up_big, 4, "deferred", "by_layers", str(path), timeout=300)
     by_cost = run_distributed(_set_up_big, 4, "deferred", "by_cost", None, timeout=300)
     eager = run_distributed(_set_up_big, 4, "eager", "by_layers", None, timeout=300)
-    report = {name: [round(r["set_up"]) for r in runs] for name, runs in
-              (("deferred", deferred), ("deferred by_cost", by_cost), ("eager", eager))}  # fmt: skip
+    report = {
+        name: [round(r["set_up"]) for r in runs]
+        for name, runs in (("deferred", deferred), ("deferred by_cost", by_cost), ("eager", eager))
+    }
     report["checkpoint load"] = [round(r["load"]) for r in deferred]
     for key in ("shard_mb", "sharded_save", "async_first", "async_save", "sharded_load"):
         report[key] = [round(r[key]) for r in deferred]

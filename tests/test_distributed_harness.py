@@ -42,13 +42,18 @@ def test_results_come_back_by_rank() -> None:
 
 def test_an_error_on_one_rank_fails_fast_with_its_traceback_and_the_others_stacks() -> None:
     start = time.monotonic()
-    with pytest.raises(DistributedTestError, match=r"(?s)rank 0 did not finish \(hung\).*_raise_on_rank_one.*rank 1 raised.*boom on rank one"):
+    with pytest.raises(
+        DistributedTestError,
+        match=r"(?s)rank 0 did not finish \(hung\).*_raise_on_rank_one.*rank 1 raised.*boom on rank one",
+    ):
         run_distributed(_raise_on_rank_one, 2, timeout=60)
     assert time.monotonic() - start < 40
 
 
 def test_a_rank_that_exits_ends_its_process_with_that_status() -> None:
-    with pytest.raises(DistributedTestError, match=r"(?s)rank 0 raised.*SystemExit: 70.*rank 1 raised.*SystemExit: 71") as info:
+    with pytest.raises(
+        DistributedTestError, match=r"(?s)rank 0 raised.*SystemExit: 70.*rank 1 raised.*SystemExit: 71"
+    ) as info:
         run_distributed(_exit_with_rank_status, 2, timeout=60)
     assert info.value.exit_codes == {0: 70, 1: 71}
 

@@ -106,9 +106,13 @@ def one_process_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         scripts.append((block.where, str(script)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", _RUN_ALL, json.dumps(scripts)], env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _RUN_ALL, json.dumps(scripts)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
         check=False,
-    )  # fmt: skip
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")), None)
     assert line is not None, f"the blocks' interpreter died:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(line.removeprefix("RESULTS "))
@@ -148,8 +152,14 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "WARNING" not in proc.stderr, proc.stderr[-5000:]
     # The API reference comes from the docstrings; the examples page includes the scripts themselves.
-    assert 'id="lightning_scale.strategies.HybridParallelStrategy"' in (site / "api" / "strategies" / "index.html").read_text()
-    assert 'id="lightning_scale.core.pipeline.spec.PipelineSpec"' in (site / "api" / "core-pipeline" / "index.html").read_text()
+    assert (
+        'id="lightning_scale.strategies.HybridParallelStrategy"'
+        in (site / "api" / "strategies" / "index.html").read_text()
+    )
+    assert (
+        'id="lightning_scale.core.pipeline.spec.PipelineSpec"'
+        in (site / "api" / "core-pipeline" / "index.html").read_text()
+    )
     examples = (site / "examples" / "index.html").read_text()
     assert "tensor_parallel_plan" in examples and "lightning-scale-report" in examples
     assert "MyModel" in (site / "your-model" / "index.html").read_text()  # the README's example, included
@@ -178,7 +188,9 @@ def _expand(name: str) -> list[str]:
 
 def _pattern(name: str) -> re.Pattern[str]:
     """A name whose ``{...}`` placeholders match any one path segment part."""
-    return re.compile("".join("[^/]+" if part.startswith("{") else re.escape(part) for part in re.split(r"(\{[^{}]*\})", name)))
+    return re.compile(
+        "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in re.split(r"(\{[^{}]*\})", name))
+    )
 
 
 def _same(a: str, b: str) -> bool:
@@ -212,5 +224,7 @@ def test_the_metric_table_names_exactly_what_the_code_logs() -> None:
 
 def test_the_metric_check_sees_a_difference() -> None:
     assert _expand("train/step_time/{data,comm}") == ["train/step_time/data", "train/step_time/comm"]
-    assert _same("train/step_time/{p}", "train/step_time/data") and _same("pipeline/stage{k}/idle", "pipeline/stage{k}/idle")
+    assert _same("train/step_time/{p}", "train/step_time/data") and _same(
+        "pipeline/stage{k}/idle", "pipeline/stage{k}/idle"
+    )
     assert not _same("train/step_time/{p}", "train/tokens") and not _same("cost/usd", "cost/usd_per_1m_tokens")

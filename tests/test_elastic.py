@@ -48,7 +48,11 @@ def _loader_batches(sampler: DataParallelSampler, n: int | None = None) -> list[
 def _global_batches(dp_size: int, micro: int | None, samples: int = 103) -> list[list[int]]:
     """Each optimizer step's samples: the union, in rank order, of its loader batches over every rank."""
     ranks = [
-        _loader_batches(DataParallelSampler(samples, global_batch_size=8, dp_rank=r, dp_size=dp_size, micro_batch_size=micro, seed=7))
+        _loader_batches(
+            DataParallelSampler(
+                samples, global_batch_size=8, dp_rank=r, dp_size=dp_size, micro_batch_size=micro, seed=7
+            )
+        )
         for r in range(dp_size)
     ]
     steps = accumulation_steps(8, dp_size, micro)
@@ -89,20 +93,28 @@ def test_a_position_saved_at_one_loader_batch_resumes_at_another_on_the_same_sam
 def test_a_position_inside_an_accumulation_window_is_refused_where_it_is_no_whole_loader_batch() -> None:
     state = DataParallelSampler(103, global_batch_size=8, dp_size=2, micro_batch_size=2).state_dict(consumed_batches=3)
     assert state["consumed_samples"] == 12
-    with pytest.raises(ValueError, match=r"at 12 consumed samples of epoch 0: that is not a whole number of this run's "
-                                         r"loader batches of 8 samples \(4 data-parallel ranks x 2\).*Resume from a "
-                                         r"checkpoint saved at an optimizer step"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"at 12 consumed samples of epoch 0: that is not a whole number of this run's "
+        r"loader batches of 8 samples \(4 data-parallel ranks x 2\).*Resume from a "
+        r"checkpoint saved at an optimizer step",
+    ):
         DataParallelSampler(103, global_batch_size=8, dp_size=4, micro_batch_size=2).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"saved global_batch_size=8 differs from this run's 16.*micro-batch size may change"):
+    with pytest.raises(
+        ValueError, match=r"saved global_batch_size=8 differs from this run's 16.*micro-batch size may change"
+    ):
         DataParallelSampler(103, global_batch_size=16, dp_size=2).load_state_dict(state)
 
 
 @pytest.mark.parametrize(
     ("sizes", "match"),
     [
-        ((8, 2, 3), r"global_batch_size=8 over 2 data-parallel ranks is 4 samples per rank and optimizer step, not a whole "
-                    r"number of micro-batches of micro_batch_size=3.*Use a micro_batch_size among \[1, 2, 4\], or a "
-                    r"global_batch_size that is a multiple of 6"),
+        (
+            (8, 2, 3),
+            r"global_batch_size=8 over 2 data-parallel ranks is 4 samples per rank and optimizer step, not a whole "
+            r"number of micro-batches of micro_batch_size=3.*Use a micro_batch_size among \[1, 2, 4\], or a "
+            r"global_batch_size that is a multiple of 6",
+        ),
         ((8, 2, 8), r"4 samples per rank.*micro_batch_size=8"),
         ((8, 1, 0), r"micro_batch_size must be a positive integer or None, got 0"),
         ((8, 3, 1), r"global_batch_size=8 does not split evenly over 3 data-parallel ranks"),
@@ -120,9 +132,16 @@ def test_the_fit_loop_position_is_recounted_in_this_runs_loader_batches_or_refus
     def checkpoint(ready: int, loader_batch: int) -> dict[str, Any]:
         # Saved in on_train_batch_end: that batch is ready, started and processed, not yet completed.
         counts = {"ready": ready, "started": ready, "processed": ready, "completed": ready - 1}
-        loader = {"epoch": 0, "consumed_samples": ready * loader_batch, "loader_batch_size": loader_batch, "global_batch_size": 8}
+        loader = {
+            "epoch": 0,
+            "consumed_samples": ready * loader_batch,
+            "loader_batch_size": loader_batch,
+            "global_batch_size": 8,
+        }
         progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": False}
-        return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}, "epoch_loop.batch_progress": progress}}}
+        return {
+            "loops": {"fit_loop": {"state_dict": {"combined_loader": [loader]}, "epoch_loop.batch_progress": progress}}
+        }
 
     grown = checkpoint(ready=6, loader_batch=4)  # 3 steps at dp=2, accumulation 2
     LoaderBatchProgress(8).on_load_checkpoint(None, None, grown)  # type: ignore[arg-type]
@@ -130,10 +149,18 @@ def test_the_fit_loop_position_is_recounted_in_this_runs_loader_batches_or_refus
     assert current == {"ready": 3, "started": 3, "processed": 3, "completed": 2}  # the batch in flight stays one
     shrunk = checkpoint(ready=3, loader_batch=8)
     LoaderBatchProgress(2).on_load_checkpoint(None, None, shrunk)  # type: ignore[arg-type]
-    assert shrunk["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == {"ready": 12, "started": 12, "processed": 12, "completed": 11}
+    assert shrunk["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == {
+        "ready": 12,
+        "started": 12,
+        "processed": 12,
+        "completed": 11,
+    }
     inside = checkpoint(ready=3, loader_batch=4)  # half-way through an accumulation window of 2
-    with pytest.raises(ValueError, match=r"stands at 3 loader batches of 4 samples \(total\), 12 samples: not a whole "
-                                         r"number of this run's loader batches of 8 samples"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"stands at 3 loader batches of 4 samples \(total\), 12 samples: not a whole "
+        r"number of this run's loader batches of 8 samples",
+    ):
         LoaderBatchProgress(8).on_load_checkpoint(None, None, inside)  # type: ignore[arg-type]
 
 
@@ -144,12 +171,18 @@ def test_the_layout_is_re_derived_for_each_world_keeping_tensor_and_pipeline_siz
     for world, dp in [(8, 2), (4, 1)]:
         assert resolve_layout(world, tensor_parallel=2, pipeline_parallel=2) == Layout(dp=dp, pp=2, tp=2)
     assert resolve_layout(2) == Layout(dp=2, pp=1, tp=1) and resolve_layout(4) == Layout(dp=4, pp=1, tp=1)
-    with pytest.raises(ValueError, match=r"pipeline_parallel=2 x tensor_parallel=2 = 4 does not divide the 6 processes.*"
-                                         r"Under an elastic launch \(torchrun --nnodes=MIN:MAX\) every world the job can "
-                                         r"shrink or grow to must be a multiple of 4"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline_parallel=2 x tensor_parallel=2 = 4 does not divide the 6 processes.*"
+        r"Under an elastic launch \(torchrun --nnodes=MIN:MAX\) every world the job can "
+        r"shrink or grow to must be a multiple of 4",
+    ):
         resolve_layout(6, tensor_parallel=2, pipeline_parallel=2)
-    with pytest.raises(ValueError, match=r"data_parallel=4 x pipeline_parallel=1 x tensor_parallel=1 = 4 processes, but "
-                                         r"this run has 2.*data_parallel='auto' to fill it \(as an elastic launch"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel=4 x pipeline_parallel=1 x tensor_parallel=1 = 4 processes, but "
+        r"this run has 2.*data_parallel='auto' to fill it \(as an elastic launch",
+    ):
         resolve_layout(2, data_parallel=4)
 
 
@@ -160,9 +193,12 @@ def test_the_trainers_nodes_and_devices_must_be_the_launched_world(monkeypatch: 
     check_launched_world(4, num_nodes=2, devices_per_node=2)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=r"Trainer\(num_nodes=2, devices=2\) makes 4 processes, but the launcher started 2 "
-                                         r"\(WORLD_SIZE\). This attempt of torchrun has num_nodes=1 x devices=2: pass "
-                                         r"Trainer\(\*\*lightning_scale.core.resilience.launched_sizes\(\), ...\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer\(num_nodes=2, devices=2\) makes 4 processes, but the launcher started 2 "
+        r"\(WORLD_SIZE\). This attempt of torchrun has num_nodes=1 x devices=2: pass "
+        r"Trainer\(\*\*lightning_scale.core.resilience.launched_sizes\(\), ...\)",
+    ):
         check_launched_world(2, num_nodes=2, devices_per_node=2)
 
 
@@ -176,7 +212,9 @@ class _Gradients(Callback):
         self.steps: list[torch.Tensor] = []
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
-        grads = [p.grad.detach().flatten().clone() for _, p in sorted(pl_module.named_parameters()) if p.grad is not None]
+        grads = [
+            p.grad.detach().flatten().clone() for _, p in sorted(pl_module.named_parameters()) if p.grad is not None
+        ]
         self.steps.append(torch.cat(grads))
 
 
@@ -188,8 +226,16 @@ class _StopAt(Callback):
         trainer.should_stop = trainer.should_stop or trainer.global_step == self.step
 
 
-def _fit(devices: int, micro: int | None, *, steps: int, accumulate: int = 1, checkpoints: str | None = None,
-         ckpt_path: str | None = None, stop_at: int | None = None) -> dict[str, Any]:  # fmt: skip
+def _fit(
+    devices: int,
+    micro: int | None,
+    *,
+    steps: int,
+    accumulate: int = 1,
+    checkpoints: str | None = None,
+    ckpt_path: str | None = None,
+    stop_at: int | None = None,
+) -> dict[str, Any]:
     """Train for a schedule of ``steps`` (stopping at ``stop_at``); ``checkpoints``: one every 2 steps there
     (``step=2.ckpt``, ...)."""
     seed_everything(0, verbose=False)
@@ -197,10 +243,19 @@ def _fit(devices: int, micro: int | None, *, steps: int, accumulate: int = 1, ch
     # Also for one process: Lightning's single-device strategy restores an fp64 checkpoint into the module
     # before converting it to fp64 (1e-8 off); this one restores after set-up, exactly.
     strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0)
-    every = [ModelCheckpoint(checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []
-    trainer = quiet_trainer(devices=devices, strategy=strategy, precision="64-true", max_steps=steps, gradient_clip_val=0.5,
-                            accumulate_grad_batches=accumulate, callbacks=[grads, _StopAt(stop_at), *every],
-                            enable_checkpointing=bool(checkpoints))  # fmt: skip
+    every = (
+        [ModelCheckpoint(checkpoints, every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []
+    )
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=steps,
+        gradient_clip_val=0.5,
+        accumulate_grad_batches=accumulate,
+        callbacks=[grads, _StopAt(stop_at), *every],
+        enable_checkpointing=bool(checkpoints),
+    )
     module = GPTLightningModule(CONFIG, learning_rate=3e-3, warmup_steps=2)
     data = TextDataModule(seq_len=16, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -230,7 +285,9 @@ def test_a_checkpoint_at_one_accumulation_resumes_at_another_on_the_same_sample(
     uninterrupted = _fit(1, None, steps=6, checkpoints=str(tmp_path / "a"))  # loader batch 8
     # Shrink (loader batch 2, accumulation 4, as a smaller world), then grow back (loader batch 8 again).
     with pytest.warns(UserWarning, match=r"Not saving .*step=2.ckpt: the fit is inside a gradient-accumulation window"):
-        shrunk = _fit(1, 2, steps=6, stop_at=4, ckpt_path=str(tmp_path / "a" / "step=2.ckpt"), checkpoints=str(tmp_path / "b"))
+        shrunk = _fit(
+            1, 2, steps=6, stop_at=4, ckpt_path=str(tmp_path / "a" / "step=2.ckpt"), checkpoints=str(tmp_path / "b")
+        )
     # Lightning's ModelCheckpoint asked to save step 2 again after the window's first micro-batch: refused.
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step=4.ckpt"]
     grown = _fit(1, None, steps=6, ckpt_path=str(tmp_path / "b" / "step=4.ckpt"))
@@ -242,8 +299,11 @@ def test_a_checkpoint_at_one_accumulation_resumes_at_another_on_the_same_sample(
 
 
 def test_a_trainer_accumulation_that_disagrees_with_the_micro_batch_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"Trainer\(accumulate_grad_batches=3\) disagrees with TextDataModule\(micro_batch_size=2\): "
-                                         r"global_batch_size=8 over 1 data-parallel ranks needs 4 micro-batches"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer\(accumulate_grad_batches=3\) disagrees with TextDataModule\(micro_batch_size=2\): "
+        r"global_batch_size=8 over 1 data-parallel ranks needs 4 micro-batches",
+    ):
         _fit(1, 2, steps=1, accumulate=3)
     assert _fit(1, 2, steps=1, accumulate=4)["accumulation"] == 4  # the same value is no conflict
 
@@ -260,8 +320,13 @@ def _resume_where_one_rank_restarted(rank: int, world: int, root: str) -> list[i
             os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
         start = _StartStep()
         every = ModelCheckpoint(Path(root) / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
-        trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(hang_timeout=0), max_steps=2 + 2 * restarted,
-                                enable_checkpointing=True, callbacks=[start, every])  # fmt: skip
+        trainer = quiet_trainer(
+            devices=world,
+            strategy=HybridParallelStrategy(hang_timeout=0),
+            max_steps=2 + 2 * restarted,
+            enable_checkpointing=True,
+            callbacks=[start, every],
+        )
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
         starts.append(start.step)
     return starts
@@ -276,14 +341,33 @@ def _own_loader(batch_size: int | None, samples: int = 64) -> DataLoader:
     return DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
 
 
-def _fit_own_loader(devices: int, batch_size: int | None, *, steps: int, ckpt: Path, resume: bool = False,
-                    accumulate: int = 1, change: str = "refuse", callbacks: tuple[Callback, ...] = ()) -> Trainer:  # fmt: skip
+def _fit_own_loader(
+    devices: int,
+    batch_size: int | None,
+    *,
+    steps: int,
+    ckpt: Path,
+    resume: bool = False,
+    accumulate: int = 1,
+    change: str = "refuse",
+    callbacks: tuple[Callback, ...] = (),
+) -> Trainer:
     seed_everything(0, verbose=False)
     every = ModelCheckpoint(ckpt, every_n_train_steps=2, save_top_k=-1, filename="{step}")
     strategy = HybridParallelStrategy(data_parallel=devices, hang_timeout=0, global_batch_change=change)
-    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-                            enable_checkpointing=not resume, callbacks=[*callbacks] if resume else [every, *callbacks])  # fmt: skip
-    trainer.fit(GPTLightningModule(CONFIG), train_dataloaders=_own_loader(batch_size), ckpt_path=str(ckpt / "step=2.ckpt") if resume else None)
+    trainer = quiet_trainer(
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=not resume,
+        callbacks=[*callbacks] if resume else [every, *callbacks],
+    )
+    trainer.fit(
+        GPTLightningModule(CONFIG),
+        train_dataloaders=_own_loader(batch_size),
+        ckpt_path=str(ckpt / "step=2.ckpt") if resume else None,
+    )
     return trainer
 
 
@@ -293,18 +377,24 @@ def _resume_where_one_rank_restarted_and_save_from_an_own_loader(rank: int, worl
     return starts
 
 
-def test_auto_resume_on_restart_is_decided_over_all_ranks_and_a_resume_at_another_dp_keeps_the_global_batch(tmp_path: Path) -> None:
+def test_auto_resume_on_restart_is_decided_over_all_ranks_and_a_resume_at_another_dp_keeps_the_global_batch(
+    tmp_path: Path,
+) -> None:
     # Decided alone, rank 0 would start afresh while rank 1 waits in the collective search for "latest".
-    starts = run_distributed(_resume_where_one_rank_restarted_and_save_from_an_own_loader, 2, str(tmp_path), timeout=150)
+    starts = run_distributed(
+        _resume_where_one_rank_restarted_and_save_from_an_own_loader, 2, str(tmp_path), timeout=150
+    )
     assert starts == [[0, 2], [0, 2]]
     # A user's own loader (Lightning's DistributedSampler), saved at dp=2 with 2 x 2 = 4 samples a step, resumed by
     # one process: at the same loader batch each step would train on 2, another run than the saved one's.
     own = tmp_path / "own"
     manifest = json.loads((own / "step=2.ckpt" / "manifest.json").read_text())
     assert manifest["batch"] == {"loader_batch": 2, "data_parallel": 2, "accumulate_grad_batches": 1, "samples": 4}
-    refused = (r"resumes a checkpoint whose optimizer steps trained on 4 samples \(2 per loader batch x data_parallel=2 x "
-               r"accumulate_grad_batches=1\); at data_parallel=1 this fit's would train on 2 samples .*Keep 4 samples a step "
-               r"with Trainer\(accumulate_grad_batches=2\) or a loader batch_size of 4\..*global_batch_change='allow'")  # fmt: skip
+    refused = (
+        r"resumes a checkpoint whose optimizer steps trained on 4 samples \(2 per loader batch x data_parallel=2 x "
+        r"accumulate_grad_batches=1\); at data_parallel=1 this fit's would train on 2 samples .*Keep 4 samples a step "
+        r"with Trainer\(accumulate_grad_batches=2\) or a loader batch_size of 4\..*global_batch_change='allow'"
+    )
     with pytest.raises(ValueError, match=refused):
         _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True)
     # Each way of keeping 4 samples a step resumes and trains on; so does the opt-out, with a warning.
@@ -315,7 +405,9 @@ def test_auto_resume_on_restart_is_decided_over_all_ranks_and_a_resume_at_anothe
     assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, callbacks=(scheduler,)).global_step == 4
     with pytest.warns(UserWarning, match="another global batch"):
         assert _fit_own_loader(1, 2, steps=4, ckpt=own, resume=True, change="allow").global_step == 4
-    with pytest.warns(UserWarning, match="the training loader has no integer batch_size"):  # ready batches, no batch_size
+    with pytest.warns(
+        UserWarning, match="the training loader has no integer batch_size"
+    ):  # ready batches, no batch_size
         assert _fit_own_loader(1, None, steps=4, ckpt=own, resume=True).global_step == 4
     with pytest.raises(ValueError, match=r"global_batch_change='keep' is not one of 'allow', 'refuse'"):
         HybridParallelStrategy(global_batch_change="keep")
@@ -334,7 +426,11 @@ def _free_port() -> int:
 
 
 def _torchrun_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+    }
     # A fresh store per rendezvous round for the workers (their rank 0 hosts it): with torchrun's shared agent
     # store, agents that restarted a different number of times would key their attempts differently.
     return env | {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -410,8 +506,13 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     env, python = _torchrun_env(), [sys.executable, "-m", "torch.distributed.run"]
     reference = tmp_path / "reference"
     reference.mkdir()
-    ref = subprocess.run([*python, "--standalone", "--nproc-per-node=4", str(SCRIPT), str(reference), str(STEPS)],
-                         env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    ref = subprocess.run(
+        [*python, "--standalone", "--nproc-per-node=4", str(SCRIPT), str(reference), str(STEPS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert ref.returncode == 0, ref.stderr[-4000:]
     # A user's own script that never destroys its process groups: the strategy ended them at exit (once a
     # rank aborted there after the run, status 134, a gloo thread left to the interpreter's finalisation).
@@ -423,20 +524,42 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     conf = "join_timeout=120,last_call_timeout=6,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 
     def agent(name: str, host: bool) -> subprocess.Popen:
-        command = [*python, "--nnodes=1:2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   "--rdzv-id=elastic-test", "--max-restarts=3", "--monitor-interval=0.5",
-                   f"--rdzv-conf={conf},is_host={int(host)}", str(SCRIPT), str(out), str(STEPS), str(PACE_S)]  # fmt: skip
+        command = [
+            *python,
+            "--nnodes=1:2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=elastic-test",
+            "--max-restarts=3",
+            "--monitor-interval=0.5",
+            f"--rdzv-conf={conf},is_host={int(host)}",
+            str(SCRIPT),
+            str(out),
+            str(STEPS),
+            str(PACE_S),
+        ]
         log = (out / f"{name}.log").open("w")
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     first, second = agent("agent1", host=True), agent("agent2", host=False)
     agents = [first, second]
     try:
-        _wait_for(out, agents, f"step {KILL_AT} at world 4", lambda e: e["event"] == "step" and e["world"] == 4 and e["step"] >= KILL_AT)
+        _wait_for(
+            out,
+            agents,
+            f"step {KILL_AT} at world 4",
+            lambda e: e["event"] == "step" and e["world"] == 4 and e["step"] >= KILL_AT,
+        )
         killed_at = time.time()
         _lose_node(second)
         agents = [first]
-        _wait_for(out, agents, f"step {REJOIN_AT} at world 2", lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= REJOIN_AT)
+        _wait_for(
+            out,
+            agents,
+            f"step {REJOIN_AT} at world 2",
+            lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= REJOIN_AT,
+        )
         rejoined_at = time.time()
         third = agent("agent2-again", host=False)
         agents = [first, third]
@@ -450,19 +573,35 @@ def test_a_lost_node_shrinks_the_world_and_a_returning_one_grows_it_with_the_par
     assert [a.returncode for a in agents] == [0, 0], logs
 
     events = _events(out)
-    starts = [(e["world"], e["accumulation"], e["step"], e["resumed_from"] is not None) for e in events if e["event"] == "start"]
+    starts = [
+        (e["world"], e["accumulation"], e["step"], e["resumed_from"] is not None)
+        for e in events
+        if e["event"] == "start"
+    ]
     worlds = {e["world"] for e in events if e["event"] == "step"}
     assert starts[0] == (4, 1, 0, False) and worlds == {2, 4}, starts
     timeline = elastic_timeline(out, killed_at=killed_at, rejoined_at=rejoined_at)
     print("elastic timeline, s after the kill:", {k: round(v - killed_at, 1) for k, v in timeline.items()})
-    small = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_small"]][0]
+    small = [
+        s
+        for e, s in zip((e for e in events if e["event"] == "start"), starts)
+        if e["time"] == timeline["resumed_small"]
+    ][0]
     assert small[:2] == (2, 2) and small[3] and KILL_AT - 2 <= small[2] <= KILL_AT + 2, starts  # the newest checkpoint
-    full = [s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_full"]][0]
+    full = [
+        s for e, s in zip((e for e in events if e["event"] == "start"), starts) if e["time"] == timeline["resumed_full"]
+    ][0]
     assert full[:2] == (4, 1) and full[3] and full[2] >= REJOIN_AT, starts
     at_two = sorted({e["step"] for e in events if e["event"] == "step" and e["world"] == 2})
     assert len(at_two) >= 4 and max(at_two) < STEPS, at_two  # trained at world 2 for a while
     assert events[-1]["event"] == "end" and (events[-1]["step"], events[-1]["world"]) == (STEPS, 4)
-    assert timeline["last_commit_before_kill"] <= timeline["killed_at"] < timeline["resumed_small"] < timeline["rejoined_at"] < timeline["resumed_full"]
+    assert (
+        timeline["last_commit_before_kill"]
+        <= timeline["killed_at"]
+        < timeline["resumed_small"]
+        < timeline["rejoined_at"]
+        < timeline["resumed_full"]
+    )
 
     # Goodput across the four attempts: the lost work and the restarts of the two interruptions (the node lost,
     # then the node back: torchrun stops the survivors to let it in) against the run's own clock, within 10%.
@@ -497,7 +636,9 @@ def _cli_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 def _checkpointed_step(run_dir: Path) -> int:
-    steps = [json.loads(p.read_text())["global_step"] for p in (run_dir / "checkpoints").glob("*step=*.ckpt/manifest.json")]
+    steps = [
+        json.loads(p.read_text())["global_step"] for p in (run_dir / "checkpoints").glob("*step=*.ckpt/manifest.json")
+    ]
     return max(steps, default=-1)
 
 
@@ -511,14 +652,33 @@ def test_from_the_cli_a_lost_node_shrinks_the_world_in_the_run_directory_and_tra
     in the same run directory, resumes the newest checkpoint and completes; in fp64 its final weights equal a run
     at world 2 throughout, started by Lightning's own launcher."""
     overrides = [
-        f"trainer.max_steps={CLI_STEPS}", "trainer.val_check_interval=1000", "validate_before_fit=false",
-        "validate_after_fit=false", "precision.precision=64-true", "data.seq_len=32", "data.global_batch_size=4",
-        "data.micro_batch_size=1", "callbacks.checkpoint.every_n_train_steps=10", "logger=none",
-    ]  # fmt: skip
+        f"trainer.max_steps={CLI_STEPS}",
+        "trainer.val_check_interval=1000",
+        "validate_before_fit=false",
+        "validate_after_fit=false",
+        "precision.precision=64-true",
+        "data.seq_len=32",
+        "data.global_batch_size=4",
+        "data.micro_batch_size=1",
+        "callbacks.checkpoint.every_n_train_steps=10",
+        "logger=none",
+    ]
     env = _torchrun_env()
     reference = tmp_path / "reference"
-    ref = subprocess.run([sys.executable, "-m", "lightning_scale.cli.train", *overrides, "trainer.devices=2",
-                          f"hydra.run.dir={reference}"], env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_scale.cli.train",
+            *overrides,
+            "trainer.devices=2",
+            f"hydra.run.dir={reference}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert ref.returncode == 0, ref.stderr[-4000:]
 
     work, port = tmp_path / "elastic", _free_port()
@@ -526,18 +686,35 @@ def test_from_the_cli_a_lost_node_shrinks_the_world_in_the_run_directory_and_tra
     conf = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 
     def agent(name: str, host: bool) -> subprocess.Popen:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=cli-elastic", "--max-restarts=2", "--monitor-interval=0.5",
-                   f"--rdzv-conf={conf},is_host={int(host)}", "-m", "lightning_scale.cli.train", *overrides]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=cli-elastic",
+            "--max-restarts=2",
+            "--monitor-interval=0.5",
+            f"--rdzv-conf={conf},is_host={int(host)}",
+            "-m",
+            "lightning_scale.cli.train",
+            *overrides,
+        ]
         log = (work / f"{name}.log").open("w")
-        return subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     first, second = agent("agent1", host=True), agent("agent2", host=False)
     run_dir = work / "outputs" / "torchrun-cli-elastic"  # named by --rdzv-id: the same at every restart
     try:
         deadline = time.monotonic() + 150
         while _checkpointed_step(run_dir) < CLI_KILL_AT:
-            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, "no step-20 checkpoint"
+            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, (
+                "no step-20 checkpoint"
+            )
             time.sleep(0.05)
         time.sleep(0.3)  # a few steps past the checkpoint: work the survivor recomputes
         _lose_node(second)

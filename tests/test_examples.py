@@ -16,7 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-RUN_HERE = {"own_model_3d.py", "huggingface_llama.py", "resume_at_another_layout.py", "sweep_and_report.sh", "train_gpt.py"}
+RUN_HERE = {
+    "own_model_3d.py",
+    "huggingface_llama.py",
+    "resume_at_another_layout.py",
+    "sweep_and_report.sh",
+    "train_gpt.py",
+}
 """The examples this module runs; a new example must be added (and run) here."""
 
 
@@ -27,7 +33,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(*command: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(command), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        list(command), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def _out(proc: subprocess.CompletedProcess[str]) -> str:
@@ -84,7 +92,9 @@ def test_a_run_resumes_at_another_layout(tmp_path: Path) -> None:
     assert len(_losses(second.stdout, 6)) == 2, _out(second)  # steps 5 and 6, not from scratch
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "last.ckpt").resolve().name == "epoch=0-step=6.ckpt"  # save_last="link"
-    manifests = {p.parent.name: json.loads(p.read_text()) for p in ckpt.glob("*/manifest.json") if not p.parent.is_symlink()}
+    manifests = {
+        p.parent.name: json.loads(p.read_text()) for p in ckpt.glob("*/manifest.json") if not p.parent.is_symlink()
+    }
     saved = {name: (m["global_step"], m["layout"]["dp"], m["layout"]["pp"]) for name, m in manifests.items()}
     assert saved == {"epoch=0-step=4.ckpt": (4, 2, 1), "epoch=0-step=6.ckpt": (6, 1, 2)}, saved  # keep_last=2
 
@@ -93,8 +103,16 @@ def test_a_run_resumes_at_another_layout(tmp_path: Path) -> None:
 def test_a_sweep_and_its_report(tmp_path: Path) -> None:
     # One process per job (the cheapest sweep that still has a layout to skip); the script passes the
     # overrides to every job.
-    overrides = ["trainer.devices=1", "strategy.tensor_parallel=1,2", "strategy.pipeline_parallel=1", "trainer.max_steps=4",
-                 "trainer.log_every_n_steps=2", "trainer.limit_val_batches=1", "callbacks.checkpoint=null", "logger=csv"]  # fmt: skip
+    overrides = [
+        "trainer.devices=1",
+        "strategy.tensor_parallel=1,2",
+        "strategy.pipeline_parallel=1",
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=2",
+        "trainer.limit_val_batches=1",
+        "callbacks.checkpoint=null",
+        "logger=csv",
+    ]
     proc = _run("bash", str(EXAMPLES / "sweep_and_report.sh"), *overrides, cwd=tmp_path)
     assert proc.returncode == 0, _out(proc)
     study = tmp_path / "multirun" / "layouts"
@@ -102,7 +120,9 @@ def test_a_sweep_and_its_report(tmp_path: Path) -> None:
     assert summary["counts"] == {"completed": 1, "skipped": 1, "failed": 0}, (summary, _out(proc))
     report = (study / "report" / "report.md").read_text()
     assert "| 1 | #0 dp1-tp1-pp1 |" in report and "**skipped**" in report, report[:3000]
-    assert (study / "report" / "report.html").is_file() and (study / "report" / "conf" / "strategy" / "best.yaml").is_file()
+    assert (study / "report" / "report.html").is_file() and (
+        study / "report" / "conf" / "strategy" / "best.yaml"
+    ).is_file()
     assert "the ranking: multirun/layouts/report/report.md" in proc.stdout
 
 

@@ -56,8 +56,15 @@ def _gpt(n_layers: int) -> tuple[nn.Module, list[nn.Module]]:
 
 def _llama(n_layers: int) -> tuple[nn.Module, list[nn.Module]]:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=n_layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     return model, list(model.model.layers)
@@ -207,13 +214,19 @@ def test_the_a10g_has_its_own_peak_not_the_a10s() -> None:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: measured_flops_per_token(lambda: None, 0), r"^tokens=0 must be a positive integer \(1 or more\)\. It counts the tokens the step processes\.$"),
+        (
+            lambda: measured_flops_per_token(lambda: None, 0),
+            r"^tokens=0 must be a positive integer \(1 or more\)\. It counts the tokens the step processes\.$",
+        ),
         (lambda: measured_peak("float32", size=0), r"^size=0 must be a positive integer \(1 or more\)\.$"),
         (lambda: measured_peak("float32", repeats=True), r"^repeats=True must be a positive integer \(1 or more\)\.$"),
-        (lambda: apply_activation_checkpointing([], "full", 0), r"^activation_checkpointing_every=0 must be a positive integer \(1 or more\)\.$"),
+        (
+            lambda: apply_activation_checkpointing([], "full", 0),
+            r"^activation_checkpointing_every=0 must be a positive integer \(1 or more\)\.$",
+        ),
     ],
     ids=["tokens", "size", "repeats", "checkpointing-every"],
-)  # fmt: skip
+)
 def test_counts_that_must_be_positive_integers_are_refused_naming_the_value(call: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()

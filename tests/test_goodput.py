@@ -22,45 +22,77 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_scale.callbacks import GoodputMonitor
 from lightning_scale.callbacks import goodput as goodput_callback
 from lightning_scale.callbacks.goodput import GOODPUT_METRICS
-
 from lightning_scale.core.resilience.goodput import PARTS, parse_event, read_ledger, summarize
 from lightning_scale.core.resilience.goodput_ledger import ProgressWriter, append_event, process_start_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _start(attempt: str, time: float, *, resumed: int | None = None, commit: float | None = None, relaunch: bool = False) -> dict[str, Any]:
-    return {"event": "start", "attempt": attempt, "time": time, "step": resumed or 0, "relaunch": relaunch,
-            "resumed_step": resumed, "resumed_commit": commit, "restart_count": int(relaunch), "pid": 1}  # fmt: skip
+def _start(
+    attempt: str, time: float, *, resumed: int | None = None, commit: float | None = None, relaunch: bool = False
+) -> dict[str, Any]:
+    return {
+        "event": "start",
+        "attempt": attempt,
+        "time": time,
+        "step": resumed or 0,
+        "relaunch": relaunch,
+        "resumed_step": resumed,
+        "resumed_commit": commit,
+        "restart_count": int(relaunch),
+        "pid": 1,
+    }
 
 
 def _ev(kind: str, attempt: str, time: float, **fields: Any) -> dict[str, Any]:
     return {"event": kind, "attempt": attempt, "time": time, **fields}
 
 
-def _write(run_dir: Path, events: list[dict[str, Any]], progress: dict[str, tuple[int, float]] = {}, hangs: list[dict[str, Any]] = ()) -> None:
+def _write(
+    run_dir: Path,
+    events: list[dict[str, Any]],
+    progress: dict[str, tuple[int, float]] = {},
+    hangs: list[dict[str, Any]] = (),
+) -> None:
     for event in events:
         append_event(run_dir, event)
-    for attempt, (step, time) in progress.items():
-        (run_dir / "goodput" / f"progress-{attempt}.json").write_text(json.dumps({"attempt": attempt, "step": step, "time": time}))
+    for attempt, (step, seconds) in progress.items():
+        (run_dir / "goodput" / f"progress-{attempt}.json").write_text(
+            json.dumps({"attempt": attempt, "step": step, "time": seconds})
+        )
     if hangs:
         (run_dir / "hang").mkdir()
         (run_dir / "hang" / "events.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hangs))
 
 
 def test_two_interruptions_one_of_them_a_hang_split_the_wall_time_exactly(tmp_path: Path) -> None:
-    _write(tmp_path, [
-        # a1: start-up 10 s, saves at steps 10 and 20 (2 s blocking each), SIGKILLed: last seen alive at 165 (step 27)
-        _start("a1", 100.0), _ev("first_step", "a1", 110.0, step=0),
-        _ev("checkpoint", "a1", 130.0, step=10, blocking_s=2.0), _ev("checkpoint", "a1", 150.0, step=20, blocking_s=2.0),
-        # a2: relaunched at 170, resumes step 20; start-up 8 s; a save at step 30; hangs (declared at 230, 12 s in)
-        _start("a2", 170.0, resumed=20, commit=150.0, relaunch=True), _ev("first_step", "a2", 178.0, step=20),
-        _ev("checkpoint", "a2", 200.0, step=30, blocking_s=1.0),
-        # a3: relaunched at 240, resumes step 30; start-up 9 s; completes at 280
-        _start("a3", 240.0, resumed=30, commit=200.0, relaunch=True), _ev("first_step", "a3", 249.0, step=30),
-        _ev("checkpoint", "a3", 260.0, step=40, blocking_s=1.5), _ev("end", "a3", 280.0, step=45, status="completed"),
-    ], progress={"a1": (27, 165.0), "a2": (33, 233.0), "a3": (45, 280.0)},
-       hangs=[{"event": "hang", "time": 230.0, "records": {"0": {"step_s": 12.0, "unix_s": 229.0}, "1": {"step_s": 11.5, "unix_s": 229.5}}}])  # fmt: skip
+    _write(
+        tmp_path,
+        [
+            # a1: start-up 10 s, saves at steps 10 and 20 (2 s blocking each), SIGKILLed: last seen alive at 165 (step 27)
+            _start("a1", 100.0),
+            _ev("first_step", "a1", 110.0, step=0),
+            _ev("checkpoint", "a1", 130.0, step=10, blocking_s=2.0),
+            _ev("checkpoint", "a1", 150.0, step=20, blocking_s=2.0),
+            # a2: relaunched at 170, resumes step 20; start-up 8 s; a save at step 30; hangs (declared at 230, 12 s in)
+            _start("a2", 170.0, resumed=20, commit=150.0, relaunch=True),
+            _ev("first_step", "a2", 178.0, step=20),
+            _ev("checkpoint", "a2", 200.0, step=30, blocking_s=1.0),
+            # a3: relaunched at 240, resumes step 30; start-up 9 s; completes at 280
+            _start("a3", 240.0, resumed=30, commit=200.0, relaunch=True),
+            _ev("first_step", "a3", 249.0, step=30),
+            _ev("checkpoint", "a3", 260.0, step=40, blocking_s=1.5),
+            _ev("end", "a3", 280.0, step=45, status="completed"),
+        ],
+        progress={"a1": (27, 165.0), "a2": (33, 233.0), "a3": (45, 280.0)},
+        hangs=[
+            {
+                "event": "hang",
+                "time": 230.0,
+                "records": {"0": {"step_s": 12.0, "unix_s": 229.0}, "1": {"step_s": 11.5, "unix_s": 229.5}},
+            }
+        ],
+    )
     ledger = read_ledger(tmp_path)
     assert ledger.problems == []
     s = summarize(ledger.attempts)
@@ -82,15 +114,24 @@ def test_two_interruptions_one_of_them_a_hang_split_the_wall_time_exactly(tmp_pa
 
 
 def test_a_hang_from_before_records_were_dated_counts_the_longest_step(tmp_path: Path) -> None:
-    _write(tmp_path, [_start("a", 0.0), _ev("first_step", "a", 5.0, step=0), _start("b", 40.0, relaunch=True)],
-           hangs=[{"event": "hang", "time": 30.0, "records": {"0": {"step_s": 10.0}, "1": {"step_s": 9.0, "unix_s": "x"}}}])  # fmt: skip
+    _write(
+        tmp_path,
+        [_start("a", 0.0), _ev("first_step", "a", 5.0, step=0), _start("b", 40.0, relaunch=True)],
+        hangs=[
+            {"event": "hang", "time": 30.0, "records": {"0": {"step_s": 10.0}, "1": {"step_s": 9.0, "unix_s": "x"}}}
+        ],
+    )
     s = summarize(read_ledger(tmp_path).attempts, now=50.0)
     assert s is not None and (s.hang_detection_s, s.lost_s, s.rendezvous_s, s.hangs) == (10.0, 15.0, 10.0, 1)
 
 
 def test_a_run_without_interruptions_has_goodput_productive_over_total() -> None:
-    ledger_dir_events = [_start("a", 0.0), _ev("first_step", "a", 4.0, step=0),
-                         _ev("checkpoint", "a", 10.0, step=5, blocking_s=1.0), _ev("end", "a", 20.0, step=10, status="completed")]  # fmt: skip
+    ledger_dir_events = [
+        _start("a", 0.0),
+        _ev("first_step", "a", 4.0, step=0),
+        _ev("checkpoint", "a", 10.0, step=5, blocking_s=1.0),
+        _ev("end", "a", 20.0, step=10, status="completed"),
+    ]
     from lightning_scale.core.resilience.goodput import Ledger
 
     ledger = Ledger()
@@ -98,18 +139,31 @@ def test_a_run_without_interruptions_has_goodput_productive_over_total() -> None
         ledger.add(parse_event(event))
     s = summarize(ledger.attempts)
     assert s is not None
-    assert (s.total_s, s.productive_s, s.checkpoint_s, s.startup_s, s.lost_s, s.restart_s) == (20.0, 15.0, 1.0, 4.0, 0.0, 0.0)
+    assert (s.total_s, s.productive_s, s.checkpoint_s, s.startup_s, s.lost_s, s.restart_s) == (
+        20.0,
+        15.0,
+        1.0,
+        4.0,
+        0.0,
+        0.0,
+    )
     assert s.goodput == 0.75 and s.mttr_s is None and s.interruptions == 0
     live = summarize(ledger.attempts, now=30.0)
     assert live is not None and live.total_s == 20.0  # an ended attempt stays ended
 
 
 def test_a_running_attempt_counts_up_to_now_and_a_new_run_starts_after_a_completed_one(tmp_path: Path) -> None:
-    _write(tmp_path, [
-        _start("old", 0.0), _ev("first_step", "old", 1.0, step=0), _ev("end", "old", 50.0, step=10, status="completed"),
-        _start("new", 100.0, resumed=10, commit=49.0), _ev("first_step", "new", 103.0, step=10),
-        _ev("checkpoint", "new", 110.0, step=12, blocking_s=0.5),
-    ])  # fmt: skip
+    _write(
+        tmp_path,
+        [
+            _start("old", 0.0),
+            _ev("first_step", "old", 1.0, step=0),
+            _ev("end", "old", 50.0, step=10, status="completed"),
+            _start("new", 100.0, resumed=10, commit=49.0),
+            _ev("first_step", "new", 103.0, step=10),
+            _ev("checkpoint", "new", 110.0, step=12, blocking_s=0.5),
+        ],
+    )
     s = summarize(read_ledger(tmp_path).attempts, now=120.0)
     assert s is not None and s.attempts == 1  # the completed run before is another run
     assert (s.total_s, s.startup_s, s.productive_s, s.checkpoint_s) == (20.0, 3.0, 16.5, 0.5)
@@ -117,10 +171,17 @@ def test_a_running_attempt_counts_up_to_now_and_a_new_run_starts_after_a_complet
 
 
 def test_an_attempt_killed_before_its_first_checkpoint_loses_all_its_training(tmp_path: Path) -> None:
-    _write(tmp_path, [
-        _start("a", 0.0), _ev("first_step", "a", 5.0, step=0),
-        _start("b", 30.0, relaunch=True), _ev("first_step", "b", 36.0, step=0), _ev("end", "b", 60.0, step=8, status="completed"),
-    ], progress={"a": (3, 25.0)})  # fmt: skip
+    _write(
+        tmp_path,
+        [
+            _start("a", 0.0),
+            _ev("first_step", "a", 5.0, step=0),
+            _start("b", 30.0, relaunch=True),
+            _ev("first_step", "b", 36.0, step=0),
+            _ev("end", "b", 60.0, step=8, status="completed"),
+        ],
+        progress={"a": (3, 25.0)},
+    )
     s = summarize(read_ledger(tmp_path).attempts)
     assert s is not None
     assert (s.lost_s, s.productive_s, s.rendezvous_s, s.restart_s, s.startup_s) == (20.0, 24.0, 5.0, 11.0, 5.0)
@@ -128,17 +189,26 @@ def test_an_attempt_killed_before_its_first_checkpoint_loses_all_its_training(tm
 
 
 def test_a_checkpoint_whose_record_was_lost_is_dated_by_its_manifest(tmp_path: Path) -> None:
-    _write(tmp_path, [
-        _start("a", 0.0), _ev("first_step", "a", 5.0, step=0),  # killed before its save of step 10 was recorded
-        _start("b", 60.0, resumed=10, commit=30.0, relaunch=True), _ev("first_step", "b", 65.0, step=10),
-        _ev("end", "b", 70.0, step=12, status="completed"),
-    ], progress={"a": (14, 50.0)})  # fmt: skip
+    _write(
+        tmp_path,
+        [
+            _start("a", 0.0),
+            _ev("first_step", "a", 5.0, step=0),  # killed before its save of step 10 was recorded
+            _start("b", 60.0, resumed=10, commit=30.0, relaunch=True),
+            _ev("first_step", "b", 65.0, step=10),
+            _ev("end", "b", 70.0, step=12, status="completed"),
+        ],
+        progress={"a": (14, 50.0)},
+    )
     s = summarize(read_ledger(tmp_path).attempts)
     assert s is not None and (s.productive_s, s.lost_s, s.restart_s) == (25.0 + 5.0, 20.0, 15.0)
 
 
 def test_the_ledger_trusts_no_field_and_skips_what_it_cannot_read(tmp_path: Path) -> None:
-    _write(tmp_path, [_start("a", 0.0), _ev("first_step", "a", 2.0, step=0), _ev("end", "a", 10.0, step=3, status="completed")])
+    _write(
+        tmp_path,
+        [_start("a", 0.0), _ev("first_step", "a", 2.0, step=0), _ev("end", "a", 10.0, step=3, status="completed")],
+    )
     with open(tmp_path / "goodput" / "events.jsonl", "a") as f:
         f.write(json.dumps(_ev("checkpoint", "a", "soon", step=1, blocking_s=1.0)) + "\n")
         f.write(json.dumps(_ev("checkpoint", "zz", 3.0, step=1, blocking_s=1.0)) + "\n")
@@ -160,7 +230,9 @@ def test_the_ledger_trusts_no_field_and_skips_what_it_cannot_read(tmp_path: Path
 
 
 def test_the_process_start_is_the_one_ps_reports() -> None:
-    elapsed = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True).stdout)
+    elapsed = int(
+        subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getpid())], capture_output=True, text=True).stdout
+    )
     assert abs((time.time() - process_start_time()) - elapsed) < 1.5  # ps counts whole seconds
 
 
@@ -180,8 +252,13 @@ class _Slow(Callback):
 def _fit(root: Path, steps: int, ckpt_path: str | None = None) -> tuple[Trainer, GoodputMonitor]:
     monitor = GoodputMonitor(progress_s=0.05)
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
-    trainer = quiet_trainer(max_steps=steps, default_root_dir=root, log_every_n_steps=2, enable_checkpointing=True,
-                            callbacks=[monitor, checkpoint, _Slow(0.05)])  # fmt: skip
+    trainer = quiet_trainer(
+        max_steps=steps,
+        default_root_dir=root,
+        log_every_n_steps=2,
+        enable_checkpointing=True,
+        callbacks=[monitor, checkpoint, _Slow(0.05)],
+    )
     trainer.fit(StackModule(), train_dataloaders=_data(), ckpt_path=ckpt_path)
     return trainer, monitor
 
@@ -247,10 +324,23 @@ def test_a_sigkilled_run_relaunched_by_torchrun_reports_the_lost_work_and_restar
     clock readings within 10%."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--monitor-interval", "0.5", str(ROOT / "tests" / "scripts" / "goodput_kill.py"), str(tmp_path), "40", "10",
-        "38", "0.15",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(ROOT / "tests" / "scripts" / "goodput_kill.py"),
+        str(tmp_path),
+        "40",
+        "10",
+        "38",
+        "0.15",
+    ]
     proc = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     truth = [json.loads(line) for line in (tmp_path / "truth.jsonl").read_text().splitlines()]

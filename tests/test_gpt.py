@@ -104,7 +104,10 @@ def test_sequence_longer_than_context_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"d_model": 130}, r"d_model=130 is not divisible by n_heads=4.*n_heads in \[1, 2, 5, 10, 13, 26, 65, 130\].*d_model in \[128, 132\]"),
+        (
+            {"d_model": 130},
+            r"d_model=130 is not divisible by n_heads=4.*n_heads in \[1, 2, 5, 10, 13, 26, 65, 130\].*d_model in \[128, 132\]",
+        ),
         ({"n_kv_heads": 3}, r"n_kv_heads=3 must divide n_heads=4.*Use n_kv_heads in \[1, 2, 4\]"),
         ({"positional": "alibi"}, r"positional='alibi' is not one of 'learned', 'rope'"),
         ({"mlp": "relu"}, r"mlp='relu' is not one of 'gelu', 'swiglu'"),
@@ -119,7 +122,10 @@ def test_bad_config_is_rejected(kwargs: dict, match: str) -> None:
 
 
 def test_unknown_preset_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"Unknown GPT preset 'gpt5'. Valid presets: '1.3b', '350m', '7b', 'gpt2-124m', 'small', 'tiny'"):
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown GPT preset 'gpt5'. Valid presets: '1.3b', '350m', '7b', 'gpt2-124m', 'small', 'tiny'",
+    ):
         GPTConfig.from_preset("gpt5")
     with pytest.raises(ValueError, match="Unknown GPT preset 'huge'"):
         GPT("huge")

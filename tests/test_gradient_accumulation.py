@@ -76,7 +76,9 @@ def test_fsdp_modes_at_dp2_reduce_once_per_optimizer_step(single: dict[str, Any]
 
 @pytest.mark.slow
 def test_fsdp_and_replicate_under_a_pipeline_and_hsdp_reduce_once_per_optimizer_step(single: dict[str, Any]) -> None:
-    layouts: list[dict[str, Any]] = [{"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": m} for m in ("fsdp", "ddp")]
+    layouts: list[dict[str, Any]] = [
+        {"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": m} for m in ("fsdp", "ddp")
+    ]
     layouts.append({"data_parallel": 4, "data_parallel_mode": "hsdp", "hsdp_replicate": 2, "hsdp_shard": 2})
     # The embedding and head tied across the stages: sharded copies, summed over the stages once a window.
     layouts.append({"data_parallel": 2, "pipeline_parallel": 2, "data_parallel_mode": "fsdp", "tied": True})

@@ -30,7 +30,9 @@ def _backward(model: torch.nn.Module, rank: int, step: int) -> None:
     model(x).pow(2).sum().backward()
 
 
-def _reduced_gradients(rank: int, world: int) -> tuple[dict[str, list[dict[str, torch.Tensor]]], list[dict[str, torch.Tensor]]]:
+def _reduced_gradients(
+    rank: int, world: int
+) -> tuple[dict[str, list[dict[str, torch.Tensor]]], list[dict[str, torch.Tensor]]]:
     """Every hook's averaged gradients over STEPS backward passes, and the exact average (fp64 all-reduce)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -59,9 +61,13 @@ def _final_val_losses(world: int) -> dict[str, float]:
     losses = {}
     for kind in COMPRESSIONS:
         seed_everything(0, verbose=False)
-        strategy = HybridParallelStrategy(data_parallel=world, gradient_compression=kind, powersgd_rank=2, powersgd_start_iter=5)
+        strategy = HybridParallelStrategy(
+            data_parallel=world, gradient_compression=kind, powersgd_rank=2, powersgd_start_iter=5
+        )
         trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=20, limit_val_batches=4)
-        module = GPTLightningModule(GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=32), learning_rate=3e-3, warmup_steps=5)
+        module = GPTLightningModule(
+            GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=32), learning_rate=3e-3, warmup_steps=5
+        )
         datamodule = TextDataModule(seq_len=32, global_batch_size=8)
         trainer.fit(module, datamodule=datamodule)
         losses[kind] = trainer.validate(module, datamodule=datamodule, verbose=False)[0]["val/loss"]

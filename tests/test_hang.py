@@ -90,8 +90,12 @@ def test_the_laggards_are_the_ranks_behind_the_others_or_without_a_record() -> N
     same = {0: _record(5, "forward", collectives={"0": 13}), 1: _record(5, "forward", collectives={"0": 12})}
     assert laggards(same, 2) == {1: "enqueued collective #12 of process group 0 last; rank(s) 0 wait in #13"}
     # A rank between steps is ahead of one still in that step's optimizer step, behind one in the next batch.
-    assert sorted(laggards({0: _record(5, "between steps"), 1: _record(5, "optimizer step"), 2: _record(6, "forward")}, 3)) == [0, 1]
-    text = summary_text({0: _record(5, "backward"), 1: _record(5, "backward")}, 2, detected="rank 0", exit_code=75, directory="d")
+    assert sorted(
+        laggards({0: _record(5, "between steps"), 1: _record(5, "optimizer step"), 2: _record(6, "forward")}, 3)
+    ) == [0, 1]
+    text = summary_text(
+        {0: _record(5, "backward"), 1: _record(5, "backward")}, 2, detected="rank 0", exit_code=75, directory="d"
+    )
     assert "No rank is behind another" in text and "status 75" in text
 
 
@@ -104,7 +108,9 @@ def _stall_here(event: threading.Event) -> None:
 
 def test_a_hang_reports_the_phase_of_its_own_step_not_one_entered_in_the_step_before(tmp_path: Path) -> None:
     exits: list[int] = []
-    watchdog = StepWatchdog(HangTimeout(floor_s=1, warmup_s=1), rank=0, world_size=1, directory=tmp_path, exit=exits.append)
+    watchdog = StepWatchdog(
+        HangTimeout(floor_s=1, warmup_s=1), rank=0, world_size=1, directory=tmp_path, exit=exits.append
+    )
     watchdog.step_started(global_step=0)
     watchdog.entered("backward")
     watchdog.step_started(global_step=1)  # batch 1 stalls before its backward
@@ -114,8 +120,14 @@ def test_a_hang_reports_the_phase_of_its_own_step_not_one_entered_in_the_step_be
 
 def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_exits(tmp_path: Path) -> None:
     exits: list[int] = []
-    watchdog = StepWatchdog(HangTimeout(floor_s=0.3, warmup_s=0.3), rank=0, world_size=1, directory=tmp_path / "hang",
-                            poll_s=0.05, exit=exits.append)  # fmt: skip
+    watchdog = StepWatchdog(
+        HangTimeout(floor_s=0.3, warmup_s=0.3),
+        rank=0,
+        world_size=1,
+        directory=tmp_path / "hang",
+        poll_s=0.05,
+        exit=exits.append,
+    )
     release = threading.Event()
 
     def training_loop() -> None:
@@ -137,7 +149,9 @@ def test_a_stalled_step_dumps_the_training_threads_stack_writes_the_summary_and_
         watchdog.stop()
     assert exits == [HANG_EXIT_CODE] and time.monotonic() - start < 10
     stacks = (tmp_path / "hang" / "rank0.txt").read_text()
-    assert "(the training loop)" in stacks and "in _stall_here" in stacks and "lightning-scale-hang-watchdog" not in stacks
+    assert (
+        "(the training loop)" in stacks and "in _stall_here" in stacks and "lightning-scale-hang-watchdog" not in stacks
+    )
     assert watchdog.record is not None and watchdog.record["phase"] == "backward"
     assert watchdog.record["where"] is not None  # the innermost frame: threading's wait, inside _stall_here
     assert "Hang detected by rank 0 (batch 0 ran" in (tmp_path / "hang" / "summary.txt").read_text()
@@ -152,8 +166,17 @@ def test_ranks_meet_in_the_store_every_one_reports_and_one_summary_names_the_one
     store, exits = dist.HashStore(), {0: [], 1: []}
     policy = HangTimeout(floor_s=0.5, warmup_s=0.5)
     dogs = [
-        StepWatchdog(policy, rank=r, world_size=2, directory=tmp_path / "hang", store=store, namespace="t", poll_s=0.05,
-                     grace_s=10, exit=exits[r].append)  # fmt: skip
+        StepWatchdog(
+            policy,
+            rank=r,
+            world_size=2,
+            directory=tmp_path / "hang",
+            store=store,
+            namespace="t",
+            poll_s=0.05,
+            grace_s=10,
+            exit=exits[r].append,
+        )
         for r in (0, 1)
     ]
     dogs[0].step_started(3)
@@ -236,9 +259,12 @@ class _Beats(Callback):
             dog = watchdogs[0]
             self.seen = {
                 "beaten_by_strategy": trainer.strategy._heartbeat is dog.watchdog is not None,
-                "hooks_skipped": [h for h in ("on_train_batch_start", "on_train_batch_end") if vars(dog).get(h, 0) is None],
-                "batches_started": dog.watchdog._started, "steps_timed": dog.watchdog._completed,
-            }  # fmt: skip
+                "hooks_skipped": [
+                    h for h in ("on_train_batch_start", "on_train_batch_end") if vars(dog).get(h, 0) is None
+                ],
+                "batches_started": dog.watchdog._started,
+                "steps_timed": dog.watchdog._completed,
+            }
 
 
 def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -246,7 +272,9 @@ def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
     for timeout in ({"floor_s": FLOOR_S, "warmup_s": 120}, 0):
         strategy = HybridParallelStrategy(data_parallel=world, hang_timeout=timeout)
         beats = _Beats()
-        trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=12, default_root_dir=root, callbacks=[beats])
+        trainer = quiet_trainer(
+            devices=world, strategy=strategy, max_steps=12, default_root_dir=root, callbacks=[beats]
+        )
         trainer.fit(StackModule(), train_dataloaders=_data())
         watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
         found[str(timeout)] = {
@@ -255,7 +283,8 @@ def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
             "running": [t.name for t in threading.enumerate() if t.name == "lightning-scale-hang-watchdog"],
             "step": trainer.global_step,
             "beats": beats.seen,
-            "restored": not watchdogs or ("on_train_batch_start" not in vars(watchdogs[0]) and trainer.strategy._heartbeat is None),
+            "restored": not watchdogs
+            or ("on_train_batch_start" not in vars(watchdogs[0]) and trainer.strategy._heartbeat is None),
         }
     return found
 
@@ -265,9 +294,20 @@ def test_a_normal_run_never_triggers_it_and_zero_turns_it_off(tmp_path: Path) ->
     # Under the strategy its own methods beat the heart (12 batches started; each of the 11 before the last timed by
     # the next one's start, but the epoch's last, 8 batches an epoch, which the epoch's end paused) and the
     # callback's per-step hooks are out of Lightning's dispatch; both undone when the fit ends.
-    beats = {"beaten_by_strategy": True, "hooks_skipped": ["on_train_batch_start", "on_train_batch_end"],
-             "batches_started": 12, "steps_timed": 10}  # fmt: skip
-    assert on == {"first": True, "count": 1, "running": [], "step": 12, "beats": beats, "restored": True}  # added first, stopped after
+    beats = {
+        "beaten_by_strategy": True,
+        "hooks_skipped": ["on_train_batch_start", "on_train_batch_end"],
+        "batches_started": 12,
+        "steps_timed": 10,
+    }
+    assert on == {
+        "first": True,
+        "count": 1,
+        "running": [],
+        "step": 12,
+        "beats": beats,
+        "restored": True,
+    }  # added first, stopped after
     assert off == {"first": False, "count": 0, "running": [], "step": 12, "beats": {}, "restored": True}
     assert not (tmp_path / "hang").exists()
 
@@ -279,10 +319,22 @@ def test_a_normal_run_never_triggers_it_and_zero_turns_it_off(tmp_path: Path) ->
 def test_under_torchrun_a_hang_relaunches_the_job_which_resumes_from_latest_and_completes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--monitor-interval", "0.5", str(ROOT / "tests" / "scripts" / "elastic_run.py"), str(tmp_path), "dp2", "12",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(ROOT / "tests" / "scripts" / "elastic_run.py"),
+        str(tmp_path),
+        "dp2",
+        "12",
         f"--hang-at={STALL_AT + 1}",
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     journal = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
@@ -290,6 +342,10 @@ def test_under_torchrun_a_hang_relaunches_the_job_which_resumes_from_latest_and_
     assert sorted(starts) == [(0, 0), (0, 1), (1, 0), (1, 1)], journal
     assert {starts[(1, r)]["start_step"] for r in (0, 1)} == {4}, journal  # "latest": the step-4 checkpoint
     assert all(starts[(1, r)]["resumed_step"] == 4 for r in (0, 1)), journal
-    assert "Ranks that never reached the point the others wait at: 1\n" in (tmp_path / "hang" / "summary.txt").read_text()
-    assert f"failed (exitcode: {HANG_EXIT_CODE})" in proc.stderr, proc.stderr[-3000:]  # torchrun's word on the first launch
+    assert (
+        "Ranks that never reached the point the others wait at: 1\n" in (tmp_path / "hang" / "summary.txt").read_text()
+    )
+    assert f"failed (exitcode: {HANG_EXIT_CODE})" in proc.stderr, proc.stderr[
+        -3000:
+    ]  # torchrun's word on the first launch
     assert (tmp_path / "final" / "manifest.json").is_file()  # the relaunch trained to the end and saved

@@ -35,8 +35,15 @@ def _model(family: str, **overrides: Any) -> torch.nn.Module:
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[family]
-    shape = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+    shape = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
     return model_cls(config_cls(**(shape | overrides)))
 
 
@@ -126,16 +133,21 @@ class OwnSpecModule(HFModule):
     def pipeline_spec(self) -> tuple[str, PipelineSpec]:
         layers = [f"model.layers.{i}" for i in range(len(self.model.model.layers))]
         spec = PipelineSpec(
-            blocks=layers, first=["model.embed_tokens"], last=["model.norm", "lm_head"], loss_fn=_next_token_loss,
+            blocks=layers,
+            first=["model.embed_tokens"],
+            last=["model.norm", "lm_head"],
+            loss_fn=_next_token_loss,
             loss_tokens=lambda labels: (labels[:, 1:] != -100).sum(),
-        )  # fmt: skip
+        )
         return "model", spec
 
     def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch["input_ids"], batch["labels"]
 
 
-def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule) -> dict[str, Any]:
+def _fit(
+    strategy: Any, devices: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule
+) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
@@ -152,7 +164,9 @@ def _fit(strategy: Any, devices: int, family: str, own_loss: bool = False, data:
     return {"losses": record.losses, "grad_norms": record.grad_norms, "state": full_parameters(module, devices)}
 
 
-def _hybrid(world: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule, **kwargs: Any) -> dict[str, Any]:
+def _hybrid(
+    world: int, family: str, own_loss: bool = False, data: str = "dict", module_cls: type = HFModule, **kwargs: Any
+) -> dict[str, Any]:
     return _fit(HybridParallelStrategy(microbatches=2, **kwargs), world, family, own_loss, data, module_cls)
 
 
@@ -171,9 +185,13 @@ CASES_2 = {f"{f}/{name}": lambda w, f=f, k=k: _hybrid(w, f, **k) for f in FAMILI
 CASES_2["llama/pp2-own-loss"] = lambda w: _hybrid(w, "llama", own_loss=True, **LAYOUTS_2["pp2-1f1b"])
 # The batches users bring (one process's semantics, not the package's conventions), at pp=2 with no hook.
 BATCHES = ("packed", "masked", "shifted")
-CASES_2 |= {f"llama-{data}/pp2": lambda w, d=data: _hybrid(w, "llama", data=d, **LAYOUTS_2["pp2-1f1b"]) for data in BATCHES}
+CASES_2 |= {
+    f"llama-{data}/pp2": lambda w, d=data: _hybrid(w, "llama", data=d, **LAYOUTS_2["pp2-1f1b"]) for data in BATCHES
+}
 # A user's own pipeline_spec for the model, with their own loss, on masked prompts.
-CASES_2["llama-masked/pp2-own-spec"] = lambda w: _hybrid(w, "llama", data="masked", module_cls=OwnSpecModule, **LAYOUTS_2["pp2-1f1b"])
+CASES_2["llama-masked/pp2-own-spec"] = lambda w: _hybrid(
+    w, "llama", data="masked", module_cls=OwnSpecModule, **LAYOUTS_2["pp2-1f1b"]
+)
 CASES_4 = {f"{f}/{name}": lambda w, f=f, k=k: _hybrid(w, f, **k) for f in FAMILIES for name, k in LAYOUTS_4.items()}
 CASES_4["llama-packed/pp2-tp2"] = lambda w: _hybrid(w, "llama", data="packed", **LAYOUTS_4["pp2-tp2"])
 
@@ -208,20 +226,26 @@ def _assert_parity(results: list[dict[str, Any]], reference: dict[str, Any]) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
-def test_hf_model_matches_one_process_on_two_processes(two: list[dict[str, Any]], single: dict[str, Any], family: str, layout: str) -> None:
+def test_hf_model_matches_one_process_on_two_processes(
+    two: list[dict[str, Any]], single: dict[str, Any], family: str, layout: str
+) -> None:
     _assert_parity([r[f"{family}/{layout}"] for r in two], single[family])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_hf_model_matches_one_process_on_four_processes(four: list[dict[str, Any]], single: dict[str, Any], family: str, layout: str) -> None:
+def test_hf_model_matches_one_process_on_four_processes(
+    four: list[dict[str, Any]], single: dict[str, Any], family: str, layout: str
+) -> None:
     _assert_parity([r[f"{family}/{layout}"] for r in four], single[family])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data", BATCHES)
-def test_batches_as_users_bring_them_train_at_pp2_as_one_process(two: list[dict[str, Any]], single: dict[str, Any], data: str) -> None:
+def test_batches_as_users_bring_them_train_at_pp2_as_one_process(
+    two: list[dict[str, Any]], single: dict[str, Any], data: str
+) -> None:
     """Packed sequences' position_ids reach every stage; -100 labels weigh micro-batches by their labelled
     tokens; already-shifted (inputs, targets) pairs are scored as they are, not shifted again."""
     _assert_parity([r[f"llama-{data}/pp2"] for r in two], single[f"llama-{data}"])
@@ -233,7 +257,9 @@ def test_packed_position_ids_reach_every_stage_at_pp2_tp2(four: list[dict[str, A
 
 
 @pytest.mark.slow
-def test_a_users_own_pipeline_spec_on_an_hf_model_trains_as_one_process(two: list[dict[str, Any]], single: dict[str, Any]) -> None:
+def test_a_users_own_pipeline_spec_on_an_hf_model_trains_as_one_process(
+    two: list[dict[str, Any]], single: dict[str, Any]
+) -> None:
     """The user's cut has no stage forward: the family's runs it (the model's own forward would call the
     final norm the first stage no longer has)."""
     _assert_parity([r["llama-masked/pp2-own-spec"] for r in two], single["llama-masked"])
@@ -282,18 +308,30 @@ def test_an_hf_family_without_pipeline_stages_names_the_supported_ones_and_the_h
     from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
     module = LightningModule()
-    module.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, bos_token_id=0, eos_token_id=0))
-    with pytest.raises(ValueError, match=r"model is a Hugging Face GPT2LMHeadModel \(model_type='gpt2'\); pipeline stages are registered for the \*ForCausalLM models of the llama, mistral, qwen2, qwen3 families.*define `pipeline_spec\(self\)"):
+    module.model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, bos_token_id=0, eos_token_id=0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model is a Hugging Face GPT2LMHeadModel \(model_type='gpt2'\); pipeline stages are registered for the \*ForCausalLM models of the llama, mistral, qwen2, qwen3 families.*define `pipeline_spec\(self\)",
+    ):
         pipeline_spec_of(module)
 
 
 def test_an_hf_plan_style_without_a_dtensor_equivalent_is_refused_with_the_supported_ones() -> None:
     qwen3 = _model("qwen3", head_dim=8)  # q_norm/k_norm: "replicated_with_grad_allreduce"
-    with pytest.raises(ValueError, match=r"uses style\(s\) \['replicated_with_grad_allreduce'\].*Supported transformers styles: 'colwise', 'colwise_gather_output', 'embedding_rowwise', 'rowwise'"):
+    with pytest.raises(
+        ValueError,
+        match=r"uses style\(s\) \['replicated_with_grad_allreduce'\].*Supported transformers styles: 'colwise', 'colwise_gather_output', 'embedding_rowwise', 'rowwise'",
+    ):
         hf_tensor_parallel_plan(qwen3, 2)
 
 
 def test_kv_heads_that_tensor_parallelism_does_not_divide_name_the_divisors() -> None:
     llama = _model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
-    with pytest.raises(ValueError, match=re.escape("num_key_value_heads=3, which tensor_parallel=2 does not divide") + r".*tensor_parallel in \[1, 3\]"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("num_key_value_heads=3, which tensor_parallel=2 does not divide")
+        + r".*tensor_parallel in \[1, 3\]",
+    ):
         hf_tensor_parallel_plan(llama, 2)

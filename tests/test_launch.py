@@ -27,17 +27,45 @@ def test_two_torchrun_agents_on_loopback_train_dp2_by_tp2(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", RESOLVED_CONFIG_ENV)}
     env["OMP_NUM_THREADS"] = "1"
     overrides = [
-        "trainer.num_nodes=2", "trainer.devices=2", "trainer.max_steps=6", "trainer.val_check_interval=6",
-        "trainer.limit_val_batches=2", "strategy=hybrid", "strategy.data_parallel=2", "strategy.tensor_parallel=2",
-        "data.seq_len=64", "data.global_batch_size=4", "callbacks=none", "logger=none",
-    ]  # fmt: skip
+        "trainer.num_nodes=2",
+        "trainer.devices=2",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "trainer.limit_val_batches=2",
+        "strategy=hybrid",
+        "strategy.data_parallel=2",
+        "strategy.tensor_parallel=2",
+        "data.seq_len=64",
+        "data.global_batch_size=4",
+        "callbacks=none",
+        "logger=none",
+    ]
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "lightning-scale-test",
-             "-m", "lightning_scale.cli.train", *overrides],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "lightning-scale-test",
+                "-m",
+                "lightning_scale.cli.train",
+                *overrides,
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for _ in range(2)
     ]
     outputs = []
@@ -91,8 +119,16 @@ def test_torchrun_ranks_and_restarts_share_one_run_directory_per_run_id(monkeypa
     for name in ("SLURM_JOB_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's agent store
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "job-7", "RANK": "0",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "6"}  # fmt: skip
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(server.port),
+        "TORCHELASTIC_RUN_ID": "job-7",
+        "RANK": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "GROUP_WORLD_SIZE": "3",
+        "LOCAL_WORLD_SIZE": "2",
+        "WORLD_SIZE": "6",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     try:
@@ -111,10 +147,15 @@ def test_torchrun_ranks_and_restarts_share_one_run_directory_per_run_id(monkeypa
         assert environment.run_name() == "torchrun-job-7"
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
         environment.run_name.cache_clear()
-        with pytest.raises(ValueError, match=r"TORCHELASTIC_RUN_ID='none' \(no --rdzv-id\) and without its shared agent "
-                                             r"store .* Pass torchrun --rdzv-id=<a name for this run> .* or hydra.run.dir="):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"TORCHELASTIC_RUN_ID='none' \(no --rdzv-id\) and without its shared agent "
+            r"store .* Pass torchrun --rdzv-id=<a name for this run> .* or hydra.run.dir=",
+        ):
             environment.run_name()
-        with pytest.raises(ValueError, match=r"\$\{ls_launched:nodes,...\}: the first argument must be one of num_nodes, devices"):
+        with pytest.raises(
+            ValueError, match=r"\$\{ls_launched:nodes,...\}: the first argument must be one of num_nodes, devices"
+        ):
             launched("nodes", 1)
         monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # Lightning's own launcher: no run id, the defaults
         assert not environment.launched_externally() and (launched("num_nodes", 1), launched("devices", 2)) == (1, 2)

@@ -27,13 +27,18 @@ def test_growth_after_the_interval_and_backoff_on_every_overflow() -> None:
     got = _run(scaler, "...x...x..x")
     # Reference worked by hand: grows after 3 good steps, halves at each overflow, the count restarts.
     assert got == [
-        (True, 8.0), (True, 8.0), (True, 16.0),
+        (True, 8.0),
+        (True, 8.0),
+        (True, 16.0),
         (False, 8.0),
-        (True, 8.0), (True, 8.0), (True, 16.0),
+        (True, 8.0),
+        (True, 8.0),
+        (True, 16.0),
         (False, 8.0),
-        (True, 8.0), (True, 8.0),
+        (True, 8.0),
+        (True, 8.0),
         (False, 4.0),
-    ]  # fmt: skip
+    ]
     assert scaler.skipped_steps == 3 and scaler.steps == 11 and scaler.growth_tracker == 0
 
 
@@ -62,7 +67,9 @@ def test_the_scale_stops_at_the_minimum_and_the_policy_decides() -> None:
 
     strict = DynamicLossScaler(init_scale=2.0, min_scale=1.0)  # "raise" is the default
     _run(strict, "x.")
-    with pytest.raises(LossScaleAtMinimumError, match=r"overflow even at the minimum loss scale.*precision='bf16-mixed'"):
+    with pytest.raises(
+        LossScaleAtMinimumError, match=r"overflow even at the minimum loss scale.*precision='bf16-mixed'"
+    ):
         _run(strict, "x")
     # A backoff that only reaches the minimum is fine; the scale is clamped to it.
     clamped = DynamicLossScaler(init_scale=3.0, min_scale=2.0, backoff_factor=0.5)
@@ -101,7 +108,11 @@ def test_state_round_trips_and_continues_identically() -> None:
         ({"hysteresis": 0}, ValueError, r"hysteresis=0 must be a positive integer"),
         ({"min_scale": -1}, ValueError, r"min_scale=-1 must be a positive"),
         ({"min_scale": 2.0**20}, ValueError, r"min_scale=1048576.0 is above init_scale=65536.0"),
-        ({"min_scale_policy": "ignore"}, ValueError, r"min_scale_policy='ignore' is not one of 'raise', 'skip', 'warn'"),
+        (
+            {"min_scale_policy": "ignore"},
+            ValueError,
+            r"min_scale_policy='ignore' is not one of 'raise', 'skip', 'warn'",
+        ),
         ({"init_scale": "big"}, TypeError, r"init_scale must be a number, got str"),
     ],
 )

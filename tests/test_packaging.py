@@ -28,7 +28,9 @@ def test_the_declared_torch_floor_is_the_one_the_package_checks() -> None:
 
 @pytest.mark.parametrize("version", ["2.6.0", "2.12.1+cu126", "1.13.1", "nightly"])
 def test_an_older_torch_is_refused_at_import_with_the_fix(version: str) -> None:
-    with pytest.raises(ImportError, match=rf"lightning-scale needs torch>=2\.13, but torch {re.escape(version)} is installed"):
+    with pytest.raises(
+        ImportError, match=rf"lightning-scale needs torch>=2\.13, but torch {re.escape(version)} is installed"
+    ):
         check_torch_version(version)
 
 
@@ -38,7 +40,11 @@ def _timeouts(path: Path) -> list[tuple[int, float]]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call):
             for kw in node.keywords:
-                if kw.arg == "timeout" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, (int, float)):
+                if (
+                    kw.arg == "timeout"
+                    and isinstance(kw.value, ast.Constant)
+                    and isinstance(kw.value.value, (int, float))
+                ):
                     found.append((node.lineno, float(kw.value.value)))
     return found
 

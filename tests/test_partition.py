@@ -82,9 +82,18 @@ def test_bubble_shrinks_with_more_microbatches() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"schedule": "pipedream"}, r"Unknown pipeline schedule 'pipedream'. Valid schedules: '1f1b', 'dualpipev', 'gpipe'"),
-        ({"pipeline_parallel": 8}, r"pipeline_parallel=8 with 1 stage\(s\) per rank needs 8 blocks, but the model declares 4"),
-        ({"schedule": "interleaved_1f1b", "virtual_stages": 3, "num_blocks": 8}, r"the 8 blocks must divide into 6 equal stages"),
+        (
+            {"schedule": "pipedream"},
+            r"Unknown pipeline schedule 'pipedream'. Valid schedules: '1f1b', 'dualpipev', 'gpipe'",
+        ),
+        (
+            {"pipeline_parallel": 8},
+            r"pipeline_parallel=8 with 1 stage\(s\) per rank needs 8 blocks, but the model declares 4",
+        ),
+        (
+            {"schedule": "interleaved_1f1b", "virtual_stages": 3, "num_blocks": 8},
+            r"the 8 blocks must divide into 6 equal stages",
+        ),
         ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, r"set virtual_stages >= 2"),
         ({"schedule": "zbv", "num_blocks": 3}, r"needs 4 blocks, but the model declares 3"),
     ],
@@ -114,9 +123,18 @@ def test_stage_ranks_round_robin_and_v_shape() -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "p", "m", "ok"),
-    [("1f1b", 4, 4, True), ("1f1b", 4, 3, False), ("gpipe", 4, 1, True), ("interleaved_1f1b", 4, 9, False), ("interleaved_1f1b", 4, 10, True),
-     ("interleaved_1f1b", 4, 12, True), ("interleaved_1f1b", 4, 3, True), ("dualpipev", 2, 3, False), ("dualpipev", 2, 4, True)],
-)  # fmt: skip
+    [
+        ("1f1b", 4, 4, True),
+        ("1f1b", 4, 3, False),
+        ("gpipe", 4, 1, True),
+        ("interleaved_1f1b", 4, 9, False),
+        ("interleaved_1f1b", 4, 10, True),
+        ("interleaved_1f1b", 4, 12, True),
+        ("interleaved_1f1b", 4, 3, True),
+        ("dualpipev", 2, 3, False),
+        ("dualpipev", 2, 4, True),
+    ],
+)
 def test_schedule_microbatch_rules(schedule: str, p: int, m: int, ok: bool) -> None:
     if ok:
         check_schedule_microbatches(schedule, p, m)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers.models import TinyViT
 from torch import nn
 
+from lightning_scale.core.pipeline.loss import MicroBatchLoss, split_microbatches
 from lightning_scale.core.pipeline.spec import (
     PipelineSpec,
     StageForward,
@@ -24,7 +25,6 @@ from lightning_scale.core.pipeline.spec import (
     undeclared_parameters,
     with_registered_forward,
 )
-from lightning_scale.core.pipeline.loss import MicroBatchLoss, split_microbatches
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,7 +61,12 @@ def test_micro_batches_weighted_by_labelled_tokens_give_the_whole_batchs_loss_an
     whole = _lm_loss(logits, target)
     (expected,) = torch.autograd.grad(whole, logits)
     # The micro-batches hold different numbers of labelled tokens: their plain mean is another objective.
-    means = torch.stack([_lm_loss(o, t) for o, t in zip(logits.tensor_split(microbatches), target.tensor_split(microbatches), strict=True)])
+    means = torch.stack(
+        [
+            _lm_loss(o, t)
+            for o, t in zip(logits.tensor_split(microbatches), target.tensor_split(microbatches), strict=True)
+        ]
+    )
     assert abs(float(means.mean() - whole)) > 1e-3
     loss = MicroBatchLoss(_lm_loss, labelled_tokens)
     pipelined = _pipelined(loss, logits, target, microbatches)
@@ -94,7 +99,11 @@ def test_without_a_token_count_micro_batches_count_equally_and_ignored_labels_ar
     full = target.clamp(min=0)
     loss = MicroBatchLoss(_lm_loss, None)
     torch.testing.assert_close(_pipelined(loss, logits, full, 2), _lm_loss(logits, full), rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match=re.escape("target holds -100") + r".*Give the spec `loss_tokens=lightning_scale.core.pipeline.spec.labelled_tokens`"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("target holds -100")
+        + r".*Give the spec `loss_tokens=lightning_scale.core.pipeline.spec.labelled_tokens`",
+    ):
         loss.set_targets(target, 2)
 
 
@@ -112,7 +121,9 @@ def test_targets_of_any_structure_are_split_like_the_inputs() -> None:
 
 def test_parameters_set_on_the_root_are_found_as_held_by_every_stage() -> None:
     vit = TinyViT()
-    spec = PipelineSpec(blocks=[f"blocks.{i}" for i in range(4)], first=["patch_embed"], last=["norm", "head"], loss_fn=F.cross_entropy)
+    spec = PipelineSpec(
+        blocks=[f"blocks.{i}" for i in range(4)], first=["patch_embed"], last=["norm", "head"], loss_fn=F.cross_entropy
+    )
     assert undeclared_parameters(vit, spec) == ["cls_token", "pos_embed"]
     pruned = prune_to_stage(copy.deepcopy(vit), spec, [2, 3], is_first=False, is_last=True)
     assert {"cls_token", "pos_embed"} <= {n for n, _ in pruned.named_parameters()}  # a copy on the last stage too
@@ -122,8 +133,15 @@ def test_parameters_set_on_the_root_are_found_as_held_by_every_stage() -> None:
 
 
 def _llama(**overrides: Any) -> nn.Module:
-    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+    shape = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(shape | overrides))).double()
 
@@ -148,7 +166,11 @@ def test_hf_pairs_conventions_are_told_apart_on_the_data_and_a_batch_fitting_nei
     assert "(input_ids, labels) pairs whose labels are transformers' (unshifted" in batches.describe()
     with pytest.raises(ValueError, match="already shifted, but the batches before were unshifted labels"):
         batches((tokens[:, :-1], tokens[:, 1:]))
-    with pytest.raises(ValueError, match=re.escape("neither transformers' labels (equal to input_ids at every labelled position") + r".*nanoGPT convention.*Pass \{'input_ids', 'labels'\} dicts"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("neither transformers' labels (equal to input_ids at every labelled position")
+        + r".*nanoGPT convention.*Pass \{'input_ids', 'labels'\} dicts",
+    ):
         HFBatches(_llama().model)((tokens[:, :-1], torch.flip(tokens[:, 1:], [1])))
     with pytest.raises(ValueError, match="fits both conventions"):
         HFBatches(_llama().model)((torch.full((2, 8), 5), torch.full((2, 8), 5)))
@@ -156,14 +178,23 @@ def test_hf_pairs_conventions_are_told_apart_on_the_data_and_a_batch_fitting_nei
 
 def test_hf_dict_entries_the_model_takes_reach_every_stage_and_others_are_left_out() -> None:
     tokens = torch.randint(0, 64, (2, 8))
-    batch = {"input_ids": tokens, "labels": tokens, "position_ids": tokens * 0, "attention_mask": torch.ones_like(tokens), "idx": torch.arange(2)}
+    batch = {
+        "input_ids": tokens,
+        "labels": tokens,
+        "position_ids": tokens * 0,
+        "attention_mask": torch.ones_like(tokens),
+        "idx": torch.arange(2),
+    }
     inputs, labels, kwargs = HFBatches(_llama().model)(batch)
     assert inputs is tokens and labels is tokens and sorted(kwargs) == ["attention_mask", "position_ids"]
 
 
 def _user_spec(loss_fn: Any = _lm_loss) -> PipelineSpec:
     return PipelineSpec(
-        blocks=[f"model.layers.{i}" for i in range(4)], first=["model.embed_tokens"], last=["model.norm", "lm_head"], loss_fn=loss_fn
+        blocks=[f"model.layers.{i}" for i in range(4)],
+        first=["model.embed_tokens"],
+        last=["model.norm", "lm_head"],
+        loss_fn=loss_fn,
     )
 
 
@@ -175,7 +206,11 @@ def test_a_users_own_cut_of_an_hf_model_runs_with_the_familys_stage_forward_and_
         whole = model(input_ids=tokens, position_ids=positions).logits
     spec = with_registered_forward(model, _user_spec())
     family = hf_pipeline_spec(model)
-    assert spec.loss_fn is _lm_loss and spec.stage_forward is family.stage_forward and list(spec.identity) == ["model.norm"]
+    assert (
+        spec.loss_fn is _lm_loss
+        and spec.stage_forward is family.stage_forward
+        and list(spec.identity) == ["model.norm"]
+    )
     first = prune_to_stage(copy.deepcopy(model), spec, [0, 1], is_first=True, is_last=False)
     second = prune_to_stage(copy.deepcopy(model), spec, [2, 3], is_first=False, is_last=True)
     with torch.no_grad():
@@ -188,7 +223,9 @@ def test_a_users_own_cut_of_an_hf_model_runs_with_the_familys_stage_forward_and_
         plain(input_ids=tokens)
     # What the runner says instead, for a model no registered family covers: the module and the fixes.
     message = removed_module_called(caught.value, plain, _user_spec(), ["model.norm", "lm_head"])
-    assert message is not None and message.startswith("A pipeline stage's forward called ['model.norm'] (`hidden_states = self.norm(hidden_states)`)")
+    assert message is not None and message.startswith(
+        "A pipeline stage's forward called ['model.norm'] (`hidden_states = self.norm(hidden_states)`)"
+    )
     assert "list it in the spec's identity=[...]" in message and "stage_forward(module, *inputs, **kwargs)" in message
     assert removed_module_called(TypeError("unsupported operand"), plain, _user_spec(), ["model.norm"]) is None
     # A spec with no loss of its own takes the family's: loss, token count and batches.

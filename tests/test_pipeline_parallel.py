@@ -33,7 +33,9 @@ TOKENS = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(
 
 def _pipeline(world: int, schedule: str, tp: int = 1) -> HybridParallelStrategy:
     pp = world // tp
-    return HybridParallelStrategy(data_parallel=1, tensor_parallel=tp, pipeline_parallel=pp, schedule=schedule, microbatches=4)
+    return HybridParallelStrategy(
+        data_parallel=1, tensor_parallel=tp, pipeline_parallel=pp, schedule=schedule, microbatches=4
+    )
 
 
 def _predict(world: int, schedule: str) -> list[torch.Tensor]:
@@ -52,7 +54,9 @@ PP2_CASES: dict[str, Any] = {
         for s in ("1f1b", "interleaved_1f1b")
     },
     "mlp": lambda w: _fit_mlp(HybridParallelStrategy(data_parallel=1, pipeline_parallel=w, microbatches=2), w),
-    "module-list": lambda w: _fit_mlp(HybridParallelStrategy(data_parallel=1, pipeline_parallel=w, microbatches=2), w, ListStack),
+    "module-list": lambda w: _fit_mlp(
+        HybridParallelStrategy(data_parallel=1, pipeline_parallel=w, microbatches=2), w, ListStack
+    ),
     **{f"predict-{s}": lambda w, s=s: _predict(w, s) for s in ("1f1b", "zbv")},
 }
 PP4_CASES: dict[str, Any] = {
@@ -137,7 +141,9 @@ def test_second_architecture_pp2_matches_one_process(pp2: list[dict[str, Any]]) 
 
 
 @pytest.mark.slow
-def test_blocks_in_a_module_list_pipeline_with_parity_and_their_checkpoint_loads_at_pp1(pp2: list[dict[str, Any]]) -> None:
+def test_blocks_in_a_module_list_pipeline_with_parity_and_their_checkpoint_loads_at_pp1(
+    pp2: list[dict[str, Any]],
+) -> None:
     reference = _fit_mlp("auto", 1, ListStack)
     for result in pp2:
         stack = result["module-list"]
@@ -164,14 +170,18 @@ def _errors(rank: int, world: int, cases: list[tuple[GPTConfig, dict[str, Any]]]
 
 
 ERRORS = [
-    (GPTConfig(n_layers=1, tie_embeddings=False), {}, r"pipeline_parallel=2 with 1 stage\(s\) per rank needs 2 blocks, but the model declares 1\. Lower pipeline_parallel"),
+    (
+        GPTConfig(n_layers=1, tie_embeddings=False),
+        {},
+        r"pipeline_parallel=2 with 1 stage\(s\) per rank needs 2 blocks, but the model declares 1\. Lower pipeline_parallel",
+    ),
     (
         GPTConfig(n_layers=6, tie_embeddings=False),
         {"schedule": "interleaved_1f1b", "microbatches": 4},
         r"schedule='interleaved_1f1b' places 2 stages on each of 2 ranks: the 6 blocks must divide into 4 equal stages",
     ),
     (CONFIG, {"microbatches": 3}, r"microbatches=3 does not divide the per-replica batch of 4 samples"),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +189,9 @@ def errors() -> list[list[str]]:
     return run_distributed(_errors, 2, [(config, kwargs) for config, kwargs, _ in ERRORS], timeout=180)
 
 
-@pytest.mark.parametrize("case", range(len(ERRORS)), ids=["more-stages-than-blocks", "interleaved-blocks-not-divisible", "microbatches"])
+@pytest.mark.parametrize(
+    "case", range(len(ERRORS)), ids=["more-stages-than-blocks", "interleaved-blocks-not-divisible", "microbatches"]
+)
 def test_pipeline_errors_name_the_fix(errors: list[list[str]], case: int) -> None:
     for messages in errors:
         assert re.search(ERRORS[case][2], messages[case]), messages[case]
@@ -191,16 +203,24 @@ def test_batches_of_varying_shape_are_rejected(errors: list[list[str]]) -> None:
 
 
 def test_unknown_schedule_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"Unknown pipeline schedule 'pipedream'. Valid schedules: '1f1b', 'dualpipev'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown pipeline schedule 'pipedream'. Valid schedules: '1f1b', 'dualpipev'"
+    ):
         HybridParallelStrategy(pipeline_parallel=2, schedule="pipedream")
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, r"runs several stages per rank; set virtual_stages >= 2"),
+        (
+            {"schedule": "interleaved_1f1b", "virtual_stages": 1},
+            r"runs several stages per rank; set virtual_stages >= 2",
+        ),
         ({"schedule": "1f1b", "microbatches": 1}, r"'1f1b' needs at least as many micro-batches as stages.*>= 2"),
-        ({"schedule": "interleaved_1f1b", "microbatches": 5}, r"microbatches=5 must be below 2 or a multiple of the 2 rounds"),
+        (
+            {"schedule": "interleaved_1f1b", "microbatches": 5},
+            r"microbatches=5 must be below 2 or a multiple of the 2 rounds",
+        ),
         ({"schedule": "dualpipev", "microbatches": 2}, r"'dualpipev' needs at least .* \(2 x pipeline_parallel = 4\)"),
         ({"virtual_stages": 0}, r"virtual_stages=0 must be a positive integer"),
     ],
@@ -267,7 +287,12 @@ def _fit_mlp(strategy: Any, devices: int, net: type[BlockStack] = BlockStack) ->
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
-        devices=devices, strategy=strategy, precision="64-true", max_steps=STEPS, gradient_clip_val=0.5, callbacks=[record]
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        callbacks=[record],
     )
     module = StackModule(net())
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))

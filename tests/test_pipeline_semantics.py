@@ -89,7 +89,12 @@ def _fit_dict(strategy: Any, devices: int) -> list[float]:
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
-        devices=devices, strategy=strategy, precision="64-true", max_steps=4, callbacks=[record], use_distributed_sampler=False
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=4,
+        callbacks=[record],
+        use_distributed_sampler=False,
     )
     trainer.fit(_DictModule(), DataLoader(_DictTokens(), batch_size=4))
     return record.losses
@@ -112,7 +117,9 @@ def test_dict_batches_train_at_pp2_through_the_hook_and_without_it_the_error_nam
     reference = _fit_dict("auto", 1)
     for losses, error in run_distributed(_dict_pipeline, 2, timeout=180):
         torch.testing.assert_close(losses, reference, rtol=1e-9, atol=0)
-        assert re.search(r"this batch is a dict with keys \['input_ids', 'labels'\], not \(inputs, target\)", error), error
+        assert re.search(r"this batch is a dict with keys \['input_ids', 'labels'\], not \(inputs, target\)", error), (
+            error
+        )
         assert "Define `pipeline_batch(self, batch) -> (inputs, target)` on _DictModule" in error, error
 
 
@@ -136,7 +143,12 @@ def _fit_vit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict
     seed_everything(0, verbose=False)
     record = RecordLoss()
     trainer = quiet_trainer(
-        devices=devices, strategy=strategy, precision="64-true", max_steps=4, callbacks=[record], use_distributed_sampler=False
+        devices=devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=4,
+        callbacks=[record],
+        use_distributed_sampler=False,
     )
     module = ViTModule()
     trainer.fit(module, DataLoader(_Images(), batch_size=8))
@@ -148,12 +160,19 @@ def _fit_vit(strategy: Any, devices: int, checkpoint: str | None = None) -> dict
 def _vit_pipelines(rank: int, world: int, out: str) -> dict[str, Any]:
     runs: dict[str, Any] = {
         schedule: _fit_vit(
-            HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, schedule=schedule), world, f"{out}/{schedule}"
+            HybridParallelStrategy(data_parallel=1, pipeline_parallel=world, microbatches=2, schedule=schedule),
+            world,
+            f"{out}/{schedule}",
         )
         for schedule in ("1f1b", "zbv")  # zbv: two stages per rank, each holding the ViT's own parameters
     }
     # A buffer of the ViT itself that its forward updates: each stage's copy would drift apart.
-    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=world), max_steps=2, precision="64-true")
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=world),
+        max_steps=2,
+        precision="64-true",
+    )
     runs["counting"] = fit_error(trainer, ViTModule(count=True), train_dataloaders=DataLoader(_Images(), batch_size=8))
     return runs
 
@@ -166,8 +185,11 @@ def test_a_vits_own_parameters_train_once_at_pp2_and_its_checkpoint_holds_the_tr
     reference = _fit_vit("auto", 1)
     results = run_distributed(_vit_pipelines, 2, str(tmp_path), timeout=240)
     for result in results:  # refused on every rank, after the first step, naming the buffer and the fix
-        assert re.search(r"Buffers \['seen'\] of TinyViT lie outside every module its pipeline spec places.*the first training "
-                         r"step changed them.*Put the module that updates them in the spec's first or last", result["counting"]), result["counting"]
+        assert re.search(
+            r"Buffers \['seen'\] of TinyViT lie outside every module its pipeline spec places.*the first training "
+            r"step changed them.*Put the module that updates them in the spec's first or last",
+            result["counting"],
+        ), result["counting"]
     # atol: attention's key bias has an exactly-zero gradient (softmax ignores a shift shared by every
     # key); AdamW scales its rounding noise (~1e-17) up to steps of ~1e-11, differently per layout.
     atol = 1e-10
@@ -180,7 +202,9 @@ def test_a_vits_own_parameters_train_once_at_pp2_and_its_checkpoint_holds_the_tr
             run = result[schedule]
             torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-9, atol=0)
             for name, value in reference["state"].items():
-                torch.testing.assert_close(run["state"][name], value, rtol=1e-9, atol=atol, msg=f"{schedule} rank {rank}: {name}")
+                torch.testing.assert_close(
+                    run["state"][name], value, rtol=1e-9, atol=atol, msg=f"{schedule} rank {rank}: {name}"
+                )
 
 
 # ---------------------------------------------------------------- set-up checks
@@ -200,7 +224,9 @@ def _setup_messages(rank: int, world: int) -> dict[str, Any]:
     from lightning.pytorch.plugins import MixedPrecision
 
     data = DataLoader(_DictTokens(), batch_size=4)
-    manual = fit_error(quiet_trainer(devices=world, strategy=_pp(world), max_steps=1), _Manual(), train_dataloaders=data)
+    manual = fit_error(
+        quiet_trainer(devices=world, strategy=_pp(world), max_steps=1), _Manual(), train_dataloaders=data
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_trainer(devices=world, strategy=_pp(world), max_steps=1).fit(_DictModule(), data)
@@ -223,7 +249,10 @@ def _setup_messages(rank: int, world: int) -> dict[str, Any]:
 def test_set_up_refuses_manual_optimisation_runs_fp16_loss_scaling_and_names_bypassed_methods_once() -> None:
     results = run_distributed(_setup_messages, 2, timeout=180)
     for result in results:
-        assert re.search(r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run", result["manual"]), result["manual"]
+        assert re.search(
+            r"_Manual uses manual optimisation \(automatic_optimization=False\), which pipeline_parallel=2 cannot run",
+            result["manual"],
+        ), result["manual"]
         assert result["fp16"]["precision"] == "16-mixed" and result["fp16"]["scaler"]["steps"] == 2, result["fp16"]
         assert result["fp16"]["scaler"]["scale"] == 256.0 and result["fp16"]["skipped_steps"] == 0
         assert result["bf16"] == ["torch.bfloat16"], result["bf16"]  # each rank's own block, in bf16
@@ -232,7 +261,10 @@ def test_set_up_refuses_manual_optimisation_runs_fp16_loss_scaling_and_names_byp
     assert "_DictModule's training_step is not called (each needs the whole model)" in warned[0]
     assert "logs the loss as 'train/loss', 'val/loss', 'test/loss'" in warned[0]
     # It names the objective that trains, and where the batches' (inputs, target) come from.
-    assert "the loss that trains is the pipeline spec's loss_fn (_loss) on each micro-batch, averaged over the micro-batches" in warned[0]
+    assert (
+        "the loss that trains is the pipeline spec's loss_fn (_loss) on each micro-batch, averaged over the micro-batches"
+        in warned[0]
+    )
     assert "Batches: _DictModule.pipeline_batch" in warned[0]
 
 
@@ -262,7 +294,13 @@ def _monitored(rank: int, world: int, out: str) -> dict[str, Any]:
         num_sanity_val_steps=0,
         logger=CSVLogger(out),
         enable_checkpointing=True,
-        callbacks=[checkpoint, EarlyStopping(monitor="my_loss", patience=5), LearningRateMonitor("step"), record, _Val()],
+        callbacks=[
+            checkpoint,
+            EarlyStopping(monitor="my_loss", patience=5),
+            LearningRateMonitor("step"),
+            record,
+            _Val(),
+        ],
     )
     trainer.fit(GPTLightningModule(TIED, warmup_steps=2), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
     return {
@@ -288,7 +326,10 @@ def test_modelcheckpoint_and_early_stopping_monitor_the_pipeline_loss_under_its_
 @pytest.mark.parametrize(
     ("loss_name", "match"),
     [
-        ("my_loss", r"loss_name='my_loss' would log the training, validation and test losses under one name.*'\{stage\}_loss'"),
+        (
+            "my_loss",
+            r"loss_name='my_loss' would log the training, validation and test losses under one name.*'\{stage\}_loss'",
+        ),
         ({"valid": "x"}, r"keys must be among 'test', 'train', 'val'.*unknown: \['valid'\]"),
         ("{stage}/{metric}", r"loss_name='\{stage\}/\{metric\}' is not a template with only \{stage\} in braces"),
     ],

@@ -92,7 +92,9 @@ def test_bad_specs_are_rejected(kwargs: dict, match: str) -> None:
 
 def test_a_spec_naming_missing_modules_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"names modules that do not exist: \['blocks.9'\]"):
-        prune_to_stage(GPT(GPTConfig(n_layers=2)), PipelineSpec(blocks=["blocks.0", "blocks.9"]), [0], is_first=True, is_last=True)
+        prune_to_stage(
+            GPT(GPTConfig(n_layers=2)), PipelineSpec(blocks=["blocks.0", "blocks.9"]), [0], is_first=True, is_last=True
+        )
 
 
 def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module() -> None:
@@ -109,7 +111,9 @@ def test_stage_views_run_their_blocks_and_share_everything_with_the_rank_module(
     # The rank's module is untouched; the views hold only their part, under the original names.
     assert _names(rank0) == before == {n for n in _names(full) if not n.startswith(("blocks.1.", "blocks.2."))}
     assert {n.split(".")[0] for n in _names(first)} == {"tok_emb", "pos_emb", "blocks"}
-    assert {n for n in _names(first) if n.startswith("blocks.")} == {n for n in _names(full) if n.startswith("blocks.0.")}
+    assert {n for n in _names(first) if n.startswith("blocks.")} == {
+        n for n in _names(full) if n.startswith("blocks.0.")
+    }
     assert "head.weight" in _names(last) and "tok_emb.weight" not in _names(last)
     # Shared, not copied: the tied embedding/head is one parameter in the module and both views.
     assert first.tok_emb.weight is last.head.weight is rank0.tok_emb.weight

@@ -19,7 +19,17 @@ from helpers.distributed import run_distributed
 from helpers.plan_cli import plan_cli
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
-from lightning_scale.core.planner import Candidate, Cluster, ModelShape, Workload, cluster, estimate, model_shape, module_shape, plan
+from lightning_scale.core.planner import (
+    Candidate,
+    Cluster,
+    ModelShape,
+    Workload,
+    cluster,
+    estimate,
+    model_shape,
+    module_shape,
+    plan,
+)
 from lightning_scale.core.planner.cluster import CPU_EFFICIENCY, DEVICES, LINKS, cpu_cluster
 from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.published import NARAYANAN_2021
@@ -45,13 +55,25 @@ def test_the_shape_of_every_preset_counts_its_parameters_exactly(preset: str) ->
 def test_the_shape_of_a_hugging_face_config_counts_its_model_exactly(family: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = {
-        "llama": lambda: transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
-                                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000),
+        "llama": lambda: transformers.LlamaConfig(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        ),
         "gpt2": lambda: transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000, n_positions=64),
-        "qwen2": lambda: transformers.Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
-                                                  tie_word_embeddings=True),
-    }[family]()  # fmt: skip
+        "qwen2": lambda: transformers.Qwen2Config(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=500,
+            tie_word_embeddings=True,
+        ),
+    }[family]()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     shape = model_shape(config)
@@ -82,14 +104,36 @@ def test_a_modules_shape_read_off_its_meta_tensors_is_its_configs(preset: str) -
 def test_a_hugging_face_models_shape_read_off_its_modules_is_its_configs(family: str) -> None:
     transformers = pytest.importorskip("transformers")
     config, cls = {
-        "llama": (transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
-                                           num_key_value_heads=2, vocab_size=1000), transformers.LlamaForCausalLM),
-        "gpt2": (transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, vocab_size=1000, n_positions=64),  # Conv1D: (in, out)
-                 transformers.GPT2LMHeadModel),
-        "qwen2": (transformers.Qwen2Config(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, vocab_size=500, tie_word_embeddings=True),
-                  transformers.Qwen2ForCausalLM),
-    }[family]  # fmt: skip
+        "llama": (
+            transformers.LlamaConfig(
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=3,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                vocab_size=1000,
+            ),
+            transformers.LlamaForCausalLM,
+        ),
+        "gpt2": (
+            transformers.GPT2Config(
+                n_embd=128, n_layer=3, n_head=4, vocab_size=1000, n_positions=64
+            ),  # Conv1D: (in, out)
+            transformers.GPT2LMHeadModel,
+        ),
+        "qwen2": (
+            transformers.Qwen2Config(
+                hidden_size=128,
+                intermediate_size=352,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=500,
+                tie_word_embeddings=True,
+            ),
+            transformers.Qwen2ForCausalLM,
+        ),
+    }[family]
     with torch.device("meta"):
         model = cls(config)
     # Qwen2's q/k/v biases are seen on the module (its config has no flag for them): biased, within 1% of its count.
@@ -137,7 +181,14 @@ def test_a_users_own_models_shape_is_read_off_its_modules_parameter_for_paramete
         torch_layers, fused = _TorchLayersLM(), _FusedLM()
     shape = module_shape(torch_layers)
     assert shape.parameters == sum(p.numel() for p in torch_layers.parameters()) == 726144 + 64 * 128
-    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_ff, shape.vocab_size, shape.learned_positions) == (3, 4, 4, 512, 512, 64)
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_ff, shape.vocab_size, shape.learned_positions) == (
+        3,
+        4,
+        4,
+        512,
+        512,
+        64,
+    )
     assert (shape.bias, shape.layernorm, shape.tied, shape.gated_mlp) == (True, True, False, False)
     shape = module_shape(fused)
     assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.d_ff) == (5, 4, 2, 24, 256)
@@ -146,13 +197,17 @@ def test_a_users_own_models_shape_is_read_off_its_modules_parameter_for_paramete
 
 
 def test_a_module_the_planner_cannot_read_is_refused_with_what_to_add() -> None:
-    with pytest.raises(ValueError, match=r"found no transformer blocks in Module.*build it in `__init__`.*give the module a `config`"):
+    with pytest.raises(
+        ValueError, match=r"found no transformer blocks in Module.*build it in `__init__`.*give the module a `config`"
+    ):
         module_shape(torch.nn.Module())  # built in configure_model: nothing there yet
     with torch.device("meta"):
         fused = _FusedLM()
     for block in fused.blocks:
         del block.head_dim
-    with pytest.raises(ValueError, match=r"cannot tell _FusedLM's attention heads: give its attention module an `n_heads`"):
+    with pytest.raises(
+        ValueError, match=r"cannot tell _FusedLM's attention heads: give its attention module an `n_heads`"
+    ):
         module_shape(fused)
     with torch.device("meta"):
         no_embedding = torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2)))
@@ -161,15 +216,27 @@ def test_a_module_the_planner_cannot_read_is_refused_with_what_to_add() -> None:
     with torch.device("meta"):
         wrong = _TorchLayersLM()
         wrong.extra = torch.nn.Linear(512, 512)  # parameters the shape cannot account for
-    with pytest.raises(ValueError, match=r"with 734,336 parameters, but it has 996,992: it is not a decoder whose shape can be read"):
+    with pytest.raises(
+        ValueError, match=r"with 734,336 parameters, but it has 996,992: it is not a decoder whose shape can be read"
+    ):
         module_shape(wrong)
 
 
 def test_a_config_the_planner_cannot_read_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"Cannot read a decoder's shape from dict: no layers, heads.*Pass a ModelShape"):
+    with pytest.raises(
+        ValueError, match=r"Cannot read a decoder's shape from dict: no layers, heads.*Pass a ModelShape"
+    ):
         model_shape({"hidden_size": 64, "vocab_size": 10})
     with pytest.raises(ValueError, match=r"mixture-of-experts config"):
-        model_shape({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10, "num_local_experts": 8})
+        model_shape(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "vocab_size": 10,
+                "num_local_experts": 8,
+            }
+        )
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -185,12 +252,22 @@ def _benchmark() -> Any:
 
 
 def test_one_process_memory_is_within_10_percent_of_the_tracked_peak() -> None:
-    errors = _benchmark().memory_errors()  # six cases: GPT and Llama-like, fp32 and bf16, no/full/selective checkpointing
+    errors = (
+        _benchmark().memory_errors()
+    )  # six cases: GPT and Llama-like, fp32 and bf16, no/full/selective checkpointing
     assert len(errors) == 6 and all(abs(e) <= 0.10 for e in errors.values()), errors
 
 
 MULTIPROCESS_SUBSET = {
-    2: ["gpt/ddp2", "gpt/fsdp2-ac", "gpt/tp2", "gpt/pp2-gpipe", "gpt/pp2-interleaved", "hf-llama/pp2-1f1b", "hf-llama/fsdp2-bf16"],
+    2: [
+        "gpt/ddp2",
+        "gpt/fsdp2-ac",
+        "gpt/tp2",
+        "gpt/pp2-gpipe",
+        "gpt/pp2-interleaved",
+        "hf-llama/pp2-1f1b",
+        "hf-llama/fsdp2-bf16",
+    ],
     4: ["gpt/tp2-pp2", "gpt-wide/dp2-tp2-ac", "gpt/fsdp_grad_op2-pp2-bf16"],
 }
 """Of the benchmark's multi-process cases: DDP's buckets, FSDP2's buffers under checkpointing, sequence
@@ -235,7 +312,9 @@ def test_sharding_divides_the_states_the_mode_shards() -> None:
     assert fsdp["fsdp_buffers"] > 0 and ddp["fsdp_buffers"] == 0
     # No autocast copies where FSDP2 casts the parameters; DDP (autocast) keeps a 16-bit copy of each weight.
     assert fsdp["cast_weights"] == zero2["cast_weights"] == 0 and ddp["cast_weights"] > 0
-    fp32 = estimate_memory(shape, Workload(64, 1024, "32-true"), Candidate(8, 1, 1, dp_mode="fsdp_grad_op", micro_batch=8)).terms
+    fp32 = estimate_memory(
+        shape, Workload(64, 1024, "32-true"), Candidate(8, 1, 1, dp_mode="fsdp_grad_op", micro_batch=8)
+    ).terms
     assert fp32["parameters"] == ddp["parameters"]  # fp32: the gathered parameters are the fp32 ones
 
 
@@ -248,8 +327,18 @@ def test_pipeline_bubble_is_the_schedules_predicted_share() -> None:
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         c = Candidate(2, 1, 4, schedule=schedule, virtual_stages=v, micro_batch=2)
         terms = estimate_time(shape, workload, c, node).terms
-        pipeline = sum(terms[k] for k in ("compute", "attention", "elementwise", "recompute", "tensor_parallel",
-                                          "pipeline_transfers", "bubble"))  # fmt: skip
+        pipeline = sum(
+            terms[k]
+            for k in (
+                "compute",
+                "attention",
+                "elementwise",
+                "recompute",
+                "tensor_parallel",
+                "pipeline_transfers",
+                "bubble",
+            )
+        )
         assert terms["bubble"] / pipeline == pytest.approx(bubble_fraction(schedule, 4, 8, v))
 
 
@@ -267,7 +356,9 @@ def test_on_a_host_whose_processes_share_cores_the_bubble_shrinks_by_their_slowd
     share = bubble_fraction("1f1b", 2, 4)
     for slowdown in (1.0, 2.0):
         terms = estimate_time(TINY, workload, c, _cpu_host(slowdown), eff).terms
-        busy = sum(terms[k] for k in ("compute", "attention", "recompute", "tensor_parallel", "pipeline_transfers", "overhead"))
+        busy = sum(
+            terms[k] for k in ("compute", "attention", "recompute", "tensor_parallel", "pipeline_transfers", "overhead")
+        )
         assert terms["bubble"] == pytest.approx(busy * share / (1 - share) / slowdown)
 
 
@@ -276,12 +367,16 @@ def test_collectives_issued_from_python_take_their_factor_of_the_links_time_and_
     time; DDP's flat buckets and the pipeline's sends the link's own."""
     workload, host = Workload(16, 128, "32-true"), _cpu_host(1.0)
     plain, slow = CPU_EFFICIENCY, dataclasses.replace(CPU_EFFICIENCY, framework_collectives=3.0)
-    for c, term, ratio in ((Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True), "tensor_parallel", 3.0),
-                           (Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8), "data_parallel", 3.0),
-                           (Candidate(2, 1, 1, micro_batch=8), "data_parallel", 1.0),
-                           (Candidate(1, 1, 2, micro_batch=4), "pipeline_transfers", 1.0)):  # fmt: skip
+    for c, term, ratio in (
+        (Candidate(1, 2, 1, micro_batch=16, sequence_parallel=True), "tensor_parallel", 3.0),
+        (Candidate(2, 1, 1, dp_mode="fsdp", micro_batch=8), "data_parallel", 3.0),
+        (Candidate(2, 1, 1, micro_batch=8), "data_parallel", 1.0),
+        (Candidate(1, 1, 2, micro_batch=4), "pipeline_transfers", 1.0),
+    ):
         before = estimate_time(TINY, workload, c, host, plain).terms[term]
-        assert before > 0 and estimate_time(TINY, workload, c, host, slow).terms[term] == pytest.approx(ratio * before), c.name
+        assert before > 0 and estimate_time(TINY, workload, c, host, slow).terms[term] == pytest.approx(
+            ratio * before
+        ), c.name
 
 
 def test_a_recomputed_block_pays_its_forward_share_of_the_fixed_cost_again() -> None:
@@ -291,14 +386,17 @@ def test_a_recomputed_block_pays_its_forward_share_of_the_fixed_cost_again() -> 
     full = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8, checkpointing="full"), host, eff).terms
     assert none["overhead"] == pytest.approx(4 * 1e-3) and full["overhead"] == pytest.approx(4 * 1.4 * 1e-3)
     # On a CPU attention runs as plain matmuls at the GEMM rate: a block's forward is a third of its FLOPs.
-    assert full["recompute"] == pytest.approx((none["compute"] + none["attention"]) * 4 * TINY.block_flops_per_token(128) / 3
-                                              / (TINY.flops_per_token(128)))  # fmt: skip
+    assert full["recompute"] == pytest.approx(
+        (none["compute"] + none["attention"]) * 4 * TINY.block_flops_per_token(128) / 3 / (TINY.flops_per_token(128))
+    )
 
 
 def test_an_interleaved_rank_sends_and_receives_once_per_stage() -> None:
     workload, host = Workload(16, 128, "32-true"), _cpu_host(1.0)
     one = estimate_time(TINY, workload, Candidate(1, 1, 2, micro_batch=2), host).terms
-    two = estimate_time(TINY, workload, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2), host).terms
+    two = estimate_time(
+        TINY, workload, Candidate(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=2), host
+    ).terms
     assert two["pipeline_transfers"] == pytest.approx(2 * one["pipeline_transfers"]) and one["pipeline_transfers"] > 0
 
 
@@ -337,9 +435,18 @@ def test_published_megatron_throughput_within_15_percent_with_one_set_of_constan
 
 
 def test_every_layout_of_a_70b_model_on_1024_h100s_is_ranked_in_seconds() -> None:
-    llama70b = model_shape({"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-                            "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
-                            "hidden_act": "silu", "tie_word_embeddings": False})  # fmt: skip
+    llama70b = model_shape(
+        {
+            "num_hidden_layers": 80,
+            "hidden_size": 8192,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "intermediate_size": 28672,
+            "vocab_size": 128256,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+    )
     start = time.process_time()
     ranked = plan(llama70b, Workload(1024, 4096, "bf16-mixed"), cluster("h100-sxm", nodes=128))
     seconds = time.process_time() - start
@@ -366,12 +473,26 @@ def test_bad_input_is_refused_before_any_work() -> None:
         Workload(8, 128, "fp8")
     shape = model_shape(PRESETS["tiny"])
     # 4 blocks and 4 heads: at most tp=4 x pp=4, so 64 devices leave at least 4 data-parallel replicas.
-    with pytest.raises(ValueError, match=r"No layout of .* on 64 devices splits global_batch=7: .* are \[4, 8, 16, 32, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"No layout of .* on 64 devices splits global_batch=7: .* are \[4, 8, 16, 32, 64\]"
+    ):
         plan(shape, Workload(7, 128), cluster("h100-sxm", nodes=8), context_parallel=(1,))  # (cp=64 would split it)
     with pytest.raises(ValueError, match=r"No peak FLOP/s for .* pass peak="):
-        estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), Cluster(
-            DEVICES["L4"].__class__("cpu", "cpu", 2**34, 1e10, None, "this machine"), 1, 1, LINKS["pcie4"], LINKS["pcie4"]))
-    assert math.isfinite(estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), cluster("l4-pcie")).tokens_per_sec)
+        estimate(
+            shape,
+            Workload(8, 128, "32-true"),
+            Candidate(1, 1, 1),
+            Cluster(
+                DEVICES["L4"].__class__("cpu", "cpu", 2**34, 1e10, None, "this machine"),
+                1,
+                1,
+                LINKS["pcie4"],
+                LINKS["pcie4"],
+            ),
+        )
+    assert math.isfinite(
+        estimate(shape, Workload(8, 128, "32-true"), Candidate(1, 1, 1), cluster("l4-pcie")).tokens_per_sec
+    )
 
 
 # ------------------------------------------------------------------------------------ lightning-scale-plan
@@ -380,8 +501,16 @@ def test_bad_input_is_refused_before_any_work() -> None:
 def test_the_plan_app_ranks_explains_and_writes_its_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = ["model=350m", "data.global_batch_size=64", "data.seq_len=1024", "precision=bf16", "cluster=a100-sxm-80",
-           "cluster.nodes=2", "plan.token_budget=1e9", f"plan.out={tmp_path}"]  # fmt: skip
+    run = [
+        "model=350m",
+        "data.global_batch_size=64",
+        "data.seq_len=1024",
+        "precision=bf16",
+        "cluster=a100-sxm-80",
+        "cluster.nodes=2",
+        "plan.token_budget=1e9",
+        f"plan.out={tmp_path}",
+    ]
     status, out, _ = plan_cli(monkeypatch, capsys, *run)
     assert status == 0, out
     assert "on 16 x A100 SXM 80GB (2 node(s)), global batch 64 x 1024 tokens, bf16-mixed" in out
@@ -392,7 +521,10 @@ def test_the_plan_app_ranks_explains_and_writes_its_records(
     first_row = next(line for line in out.splitlines() if line.startswith("  1  "))
     assert rows[: len(fitting)] == fitting and fitting[0]["layout"] in first_row  # the table's first row
     # The price it used, and the offers plan.price= can name instead.
-    assert "  price: $3.431 per device-hour (AWS p4de.24xlarge" in out and "aws-p4de.24xlarge, lambda-gpu_8x_a100_80gb_sxm4" in out
+    assert (
+        "  price: $3.431 per device-hour (AWS p4de.24xlarge" in out
+        and "aws-p4de.24xlarge, lambda-gpu_8x_a100_80gb_sxm4" in out
+    )
     assert [r["tokens_per_sec"] for r in fitting] == sorted((r["tokens_per_sec"] for r in fitting), reverse=True)
     for r in rows[:5]:
         assert r["memory_per_device_gib"] == pytest.approx(sum(r["memory_terms"].values()) / 2**30)
@@ -402,21 +534,36 @@ def test_the_plan_app_ranks_explains_and_writes_its_records(
 
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "--explain", fitting[0]["layout"])
     assert status == 0
-    for term in (*rows[0]["memory_terms"], *rows[0]["time_terms"], "from: microbatches=", "gemm_rate=", "attention_rate="):
+    for term in (
+        *rows[0]["memory_terms"],
+        *rows[0]["time_terms"],
+        "from: microbatches=",
+        "gemm_rate=",
+        "attention_rate=",
+    ):
         assert term in out, term
     # A data-parallel group over both nodes: its placement, the link that limits it, its bandwidth, the overlap.
-    spread = next(r["layout"] for r in rows if r["layout"].startswith(("dp16", "fsdp16")) and r["time_terms"]["data_parallel"] > 0)
+    spread = next(
+        r["layout"] for r in rows if r["layout"].startswith(("dp16", "fsdp16")) and r["time_terms"]["data_parallel"] > 0
+    )
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "--explain", spread)
-    assert re.search(r"from: mode=\w+, group=16, per_node=8, nodes=2, link=ib-hdr x 8 NIC\(s\) per node, bus_bandwidth=[\d.]+ GB/s, .*overlap=0.8", out), out
+    assert re.search(
+        r"from: mode=\w+, group=16, per_node=8, nodes=2, link=ib-hdr x 8 NIC\(s\) per node, bus_bandwidth=[\d.]+ GB/s, .*overlap=0.8",
+        out,
+    ), out
     # Another offer by name, or dollars; an unknown name is refused naming the device's offers.
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "plan.price=lambda-gpu_8x_a100_80gb_sxm4")
     assert status == 0 and "price: $2.790 per device-hour (Lambda" in out
     lambda_rows = json.loads((tmp_path / "plan.json").read_text())["layouts"]
-    assert lambda_rows[0]["usd_per_million_tokens"] == pytest.approx(rows[0]["usd_per_million_tokens"] * 22.32 / 27.44705)
+    assert lambda_rows[0]["usd_per_million_tokens"] == pytest.approx(
+        rows[0]["usd_per_million_tokens"] * 22.32 / 27.44705
+    )
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "plan.price=2.5")
     assert status == 0 and "price: $2.500 per device-hour" in out
     status, _, err = plan_cli(monkeypatch, capsys, *run, "plan.price=gcp-a2")
-    assert status == 2 and re.search(r"plan.price='gcp-a2' is not an offer .* \(offers: 'aws-p4de.24xlarge', 'lambda-", err), err
+    assert status == 2 and re.search(
+        r"plan.price='gcp-a2' is not an offer .* \(offers: 'aws-p4de.24xlarge', 'lambda-", err
+    ), err
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--explain", "dp3-tp5-pp7-mb1")
     assert status == 2 and "no layout named 'dp3-tp5-pp7-mb1'; the best are: " in err
 
@@ -425,11 +572,15 @@ def test_the_plan_app_says_why_nothing_fits_and_refuses_bad_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The 7B model on one 24 GB L4: the optimizer state alone is 50 GiB.
-    status, out, _ = plan_cli(monkeypatch, capsys, "model=7b", "cluster=l4-pcie", "cluster.devices_per_node=1",
-                               f"plan.out={tmp_path}")  # fmt: skip
+    status, out, _ = plan_cli(
+        monkeypatch, capsys, "model=7b", "cluster=l4-pcie", "cluster.devices_per_node=1", f"plan.out={tmp_path}"
+    )
     assert status == 0
-    assert re.search(r"No layout fits in 19\.8 GiB per device \(22\.0 GiB less the 10% headroom\)\. The smallest found, \S+, needs [\d.]+ GiB, most of it "
-                     r"optimizer \([\d.]+ GiB\); try fsdp", out), out  # fmt: skip
+    assert re.search(
+        r"No layout fits in 19\.8 GiB per device \(22\.0 GiB less the 10% headroom\)\. The smallest found, \S+, needs [\d.]+ GiB, most of it "
+        r"optimizer \([\d.]+ GiB\); try fsdp",
+        out,
+    ), out
     status, _, err = plan_cli(monkeypatch, capsys, "cluster.name=h900", f"plan.out={tmp_path}")
     assert status == 2 and "lightning-scale-plan: error: Unknown cluster 'h900'" in err
 
@@ -466,8 +617,14 @@ def test_a_law_fitted_to_runs_recovers_the_law_that_made_them() -> None:
 def test_the_plan_app_sizes_a_model_for_a_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = ["data.global_batch_size=512", "data.seq_len=2048", "precision=bf16", "cluster.nodes=8", "plan.top=1",
-           f"plan.out={tmp_path}"]  # fmt: skip
+    run = [
+        "data.global_batch_size=512",
+        "data.seq_len=2048",
+        "precision=bf16",
+        "cluster.nodes=8",
+        "plan.top=1",
+        f"plan.out={tmp_path}",
+    ]
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24")
     assert status == 0, out
     sizing = json.loads((tmp_path / "plan.json").read_text())["sizing"]
@@ -478,19 +635,33 @@ def test_the_plan_app_sizes_a_model_for_a_budget(
     assert "what a budget buys on 64 x H100 SXM 80GB" in out and "tokens/s" not in out and "  1  " not in out
     status, out, _ = plan_cli(monkeypatch, capsys, *run, "--budget-usd", "10000", "plan.price=lambda-gpu_8x_h100_sxm5")
     cheaper = json.loads((tmp_path / "plan.json").read_text())["sizing"]
-    assert status == 0 and cheaper["usd"] == pytest.approx(10000) and cheaper["hours"] == pytest.approx(10000 / (64 * 31.92 / 8), rel=1e-6)
+    assert (
+        status == 0
+        and cheaper["usd"] == pytest.approx(10000)
+        and cheaper["hours"] == pytest.approx(10000 / (64 * 31.92 / 8), rel=1e-6)
+    )
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--law", "kaplan")
     assert status == 2 and "plan.law='kaplan' is not a law the planner knows" in err
     status, _, err = plan_cli(monkeypatch, capsys, *run, "--budget-hours", "24", "--budget-usd", "5")
     assert status == 2 and "Give exactly one budget" in err
 
 
-def test_the_plan_apps_help_says_what_it_does_with_its_options_and_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_plan_apps_help_says_what_it_does_with_its_options_and_an_example(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from lightning_scale.cli.plan import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for needle in ("usage: lightning-scale-plan", "ranked by predicted tokens/s", "--explain LAYOUT", "--budget-usd",
-                   "calibrate RUN_DIR", "plan.price=OFFER|DOLLARS", "example:", "docs/planner.md"):
+    for needle in (
+        "usage: lightning-scale-plan",
+        "ranked by predicted tokens/s",
+        "--explain LAYOUT",
+        "--budget-usd",
+        "calibrate RUN_DIR",
+        "plan.price=OFFER|DOLLARS",
+        "example:",
+        "docs/planner.md",
+    ):
         assert needle in out, needle
     assert "Hydra" in out and "_target_" not in out  # not Hydra's config dump

@@ -48,8 +48,15 @@ CPU = cpu_cluster(devices_per_node=4, peak_flops={"float32": 5e10})
 
 
 def test_the_cluster_a_run_sees_is_its_chips_row_and_system() -> None:
-    h100 = local_cluster("cuda", devices_per_node=8, nodes=2, device_name="NVIDIA H100 80GB HBM3", device_memory=79.6 * 2**30)
-    assert (h100.device.name, h100.intra.name, h100.inter.name, h100.world_size) == ("H100 SXM 80GB", "nvlink4", "ib-ndr", 16)
+    h100 = local_cluster(
+        "cuda", devices_per_node=8, nodes=2, device_name="NVIDIA H100 80GB HBM3", device_memory=79.6 * 2**30
+    )
+    assert (h100.device.name, h100.intra.name, h100.inter.name, h100.world_size) == (
+        "H100 SXM 80GB",
+        "nvlink4",
+        "ib-ndr",
+        16,
+    )
     # A chip sold in two sizes: the row nearest the memory torch reports, that memory kept.
     a100 = local_cluster("cuda", devices_per_node=8, device_name="NVIDIA A100-SXM4-40GB", device_memory=39.4 * 2**30)
     assert a100.device.name == "A100 SXM 40GB" and a100.efficiency == cluster("a100-sxm-40").efficiency
@@ -58,8 +65,9 @@ def test_the_cluster_a_run_sees_is_its_chips_row_and_system() -> None:
     with pytest.raises(ValueError, match=r"no device row for 'NVIDIA GeForce RTX 3090'.*cluster='h100-sxm'"):
         local_cluster("cuda", devices_per_node=1, device_name="NVIDIA GeForce RTX 3090")
     # This host: each process its share of the memory; 4 processes on fewer cores run slower in Python too.
-    assert CPU.device.peak("float32") == 5e10 and CPU.device.memory == pytest.approx(cpu_cluster(
-        devices_per_node=1, peak_flops={}).device.memory / 4)  # fmt: skip
+    assert CPU.device.peak("float32") == 5e10 and CPU.device.memory == pytest.approx(
+        cpu_cluster(devices_per_node=1, peak_flops={}).device.memory / 4
+    )
     assert CPU.efficiency is CPU_EFFICIENCY and CPU.device.name.startswith("CPU (")
 
 
@@ -86,9 +94,17 @@ def test_without_gradient_accumulation_a_replica_runs_its_whole_batch_at_once() 
 
 def _observations(truth: Efficiency) -> list[Observation]:
     workload = Workload(16, 128, "32-true")
-    layouts = [Candidate(4, 1, 1, micro_batch=4), Candidate(1, 2, 2, micro_batch=4), Candidate(2, 2, 1, micro_batch=8),
-               Candidate(2, 1, 2, micro_batch=2), Candidate(1, 4, 1, micro_batch=16, checkpointing="full")]  # fmt: skip
-    return [Observation(TINY, workload, c, estimate_time(TINY, workload, c, CPU, truth).step_time, name=c.name) for c in layouts]
+    layouts = [
+        Candidate(4, 1, 1, micro_batch=4),
+        Candidate(1, 2, 2, micro_batch=4),
+        Candidate(2, 2, 1, micro_batch=8),
+        Candidate(2, 1, 2, micro_batch=2),
+        Candidate(1, 4, 1, micro_batch=16, checkpointing="full"),
+    ]
+    return [
+        Observation(TINY, workload, c, estimate_time(TINY, workload, c, CPU, truth).step_time, name=c.name)
+        for c in layouts
+    ]
 
 
 def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
@@ -101,7 +117,11 @@ def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
         predicted = estimate_time(o.shape, o.workload, o.candidate, CPU, fitted).step_time
         assert predicted == pytest.approx(o.step_time, rel=0.01), o.name
     # A GPU system's default is the link's achieved share; any factors can be asked for by name.
-    assert default_fit(CPU) == CPU_FITTED and default_fit(cluster("h100-sxm")) == FITTED == ("compute", "overhead", "intra_link")
+    assert default_fit(CPU) == CPU_FITTED and default_fit(cluster("h100-sxm")) == FITTED == (
+        "compute",
+        "overhead",
+        "intra_link",
+    )
     truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, intra_link=0.17)
     fitted = fit_efficiency(_observations(truth)[:3], CPU, fit=FITTED)
     assert (fitted.compute, fitted.overhead, fitted.intra_link) == pytest.approx((0.31, 2.2e-3, 0.17), rel=0.01)
@@ -120,7 +140,9 @@ def test_a_calibration_is_stored_per_system_and_later_plans_say_they_use_it(tmp_
     assert load_calibration(CPU, store) is None and calibrated(CPU, store) is CPU
     save_calibration(CPU, fitted, _observations(fitted)[:1], store)
     save_calibration(cluster("h100-sxm"), cluster("h100-sxm").efficiency, (), store)  # another system, kept apart
-    assert load_calibration(CPU, store) == fitted and calibrated(CPU, store).efficiency.source.startswith("calibrated on 3")
+    assert load_calibration(CPU, store) == fitted and calibrated(CPU, store).efficiency.source.startswith(
+        "calibrated on 3"
+    )
     assert set(json.loads(store.read_text())) == {calibration_key(CPU), "H100 SXM 80GB|nvlink4|ib-ndr"}
     # A stored entry is checked field by field, never trusted.
     doc = json.loads(store.read_text())
@@ -143,7 +165,12 @@ def test_a_runs_record_rebuilds_its_observation_and_cluster_exactly() -> None:
     o = observation_from_record(record, 0.25, "results.json", "dp2")
     assert (o.shape, o.candidate, o.step_time, o.peak) == (TINY, Candidate(2, 1, 1, micro_batch=8), 0.25, 5e10)
     rebuilt = cluster_from_record(record["cluster"], "results.json")
-    assert (rebuilt.device, rebuilt.intra, rebuilt.inter, rebuilt.efficiency) == (CPU.device, CPU.intra, CPU.inter, CPU_EFFICIENCY)
+    assert (rebuilt.device, rebuilt.intra, rebuilt.inter, rebuilt.efficiency) == (
+        CPU.device,
+        CPU.intra,
+        CPU.inter,
+        CPU_EFFICIENCY,
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,10 +196,12 @@ def test_a_crafted_record_is_refused_naming_the_file_and_field(path: tuple[str, 
 
 @pytest.mark.parametrize(
     ("field", "value", "match"),
-    [(("intra",), "warp-drive", r"cluster\.intra='warp-drive' is not a known link"),
-     (("device", "memory"), "lots", r"device\.memory='lots' is not a plain float"),
-     (("device", "flops"), {"float32": "fast"}, r"device\.flops is not a mapping of dtypes to numbers")],
-)  # fmt: skip
+    [
+        (("intra",), "warp-drive", r"cluster\.intra='warp-drive' is not a known link"),
+        (("device", "memory"), "lots", r"device\.memory='lots' is not a plain float"),
+        (("device", "flops"), {"float32": "fast"}, r"device\.flops is not a mapping of dtypes to numbers"),
+    ],
+)
 def test_a_crafted_cluster_record_is_refused(field: tuple[str, ...], value: Any, match: str) -> None:
     record = copy.deepcopy(_record())["cluster"]
     target = record
@@ -211,8 +240,15 @@ def test_planned_options_set_beside_auto_are_its_constraints() -> None:
 def test_the_planner_reads_a_hugging_face_models_shape_off_the_module() -> None:
     transformers = pytest.importorskip("transformers")
 
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
 
     class Wrapper(LightningModule):  # the shape of examples/huggingface_llama.py: the model under `model`
         def __init__(self) -> None:
@@ -262,9 +298,17 @@ def _auto_fit(module: LightningModule, world: int, **options: Any) -> HybridPara
     from lightning_scale.data import TextDataModule
 
     strategy = HybridParallelStrategy(layout="auto", **options)
-    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, datamodule=TextDataModule(seq_len=32, global_batch_size=4))
     return strategy
 
@@ -275,10 +319,15 @@ def _auto_layouts(rank: int, world: int) -> dict[str, Any]:
     from lightning_scale.models import GPTLightningModule
 
     user = _UserCausalLM()
-    out: dict[str, Any] = {"user": dataclasses.asdict(_auto_fit(user, world).auto_layout.chosen.candidate),
-                           "read": model_shape_of(user).parameters, "counted": sum(p.numel() for p in user.parameters())}  # fmt: skip
+    out: dict[str, Any] = {
+        "user": dataclasses.asdict(_auto_fit(user, world).auto_layout.chosen.candidate),
+        "read": model_shape_of(user).parameters,
+        "counted": sum(p.numel() for p in user.parameters()),
+    }
     for name, options in (("gpt", {}), ("gpt_tp2", {"tensor_parallel": 2})):
-        out[name] = dataclasses.asdict(_auto_fit(GPTLightningModule(PRESETS["tiny"]), world, **options).auto_layout.chosen.candidate)
+        out[name] = dataclasses.asdict(
+            _auto_fit(GPTLightningModule(PRESETS["tiny"]), world, **options).auto_layout.chosen.candidate
+        )
     try:
         _auto_fit(_UserCausalLM(), world, tensor_parallel=2)
     except ValueError as err:
@@ -297,8 +346,11 @@ def test_auto_plans_a_users_own_model_read_off_its_modules_within_what_it_can_ru
     assert sizes["user"] == (2, 1, 1), result
     # tensor_parallel=2 beside auto is a constraint: the fastest layout with it, not the unconstrained choice.
     assert sizes["gpt_tp2"] == (1, 2, 1) and sizes["gpt"] != sizes["gpt_tp2"], result
-    assert re.search(r"layout='auto' keeps tensor_parallel=2, but no layout the planner can run has it: tensor_parallel "
-                     r"can be 1 here\. Change or remove it, or set layout='manual'", result.get("refused", "")), result  # fmt: skip
+    assert re.search(
+        r"layout='auto' keeps tensor_parallel=2, but no layout the planner can run has it: tensor_parallel "
+        r"can be 1 here\. Change or remove it, or set layout='manual'",
+        result.get("refused", ""),
+    ), result
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -310,9 +362,20 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
 ) -> None:
     run_dir, store = tmp_path / "runs" / "auto", tmp_path / "calibration.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_SCALE_CALIBRATION": str(store)}
-    command = [sys.executable, "-m", "lightning_scale.cli.train", "strategy=auto", "trainer.max_steps=12",
-               "trainer.log_every_n_steps=6", "trainer.limit_val_batches=0", "validate_before_fit=false",
-               "validate_after_fit=false", "callbacks=[throughput,step_time]", "logger=csv", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_scale.cli.train",
+        "strategy=auto",
+        "trainer.max_steps=12",
+        "trainer.log_every_n_steps=6",
+        "trainer.limit_val_batches=0",
+        "validate_before_fit=false",
+        "validate_after_fit=false",
+        "callbacks=[throughput,step_time]",
+        "logger=csv",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -328,7 +391,9 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     metrics = results["metrics"]
     assert metrics["plan/step_time"] == pytest.approx(planner["predicted"]["step_time_s"])
     assert metrics["train/step_time/total"] > 0 and planner["measured"]["step_time_s"] > 0
-    assert planner["error"]["step_time_s"] == pytest.approx(planner["predicted"]["step_time_s"] / planner["measured"]["step_time_s"] - 1)
+    assert planner["error"]["step_time_s"] == pytest.approx(
+        planner["predicted"]["step_time_s"] / planner["measured"]["step_time_s"] - 1
+    )
     assert "plan/tokens_per_sec" in (run_dir / "csv" / "metrics.csv").read_text().splitlines()[0]
 
     # The sweep report shows the prediction beside the measurement.
@@ -351,4 +416,6 @@ def test_auto_picks_logs_and_records_a_layout_that_calibration_then_learns_from(
     results["planner"]["inputs"]["shape"]["__reduce__"] = "os.system"
     crafted.write_text(json.dumps(results))
     status, _, err = plan_cli(monkeypatch, capsys, "calibrate", str(crafted.parent), "--store", str(store))
-    assert status == 2 and re.search(r"crafted/results.json: planner.inputs.shape: unknown field\(s\) \['__reduce__'\]", err), err
+    assert status == 2 and re.search(
+        r"crafted/results.json: planner.inputs.shape: unknown field\(s\) \['__reduce__'\]", err
+    ), err

@@ -15,9 +15,9 @@ from lightning_scale.core.planner import Candidate, Workload, cluster, model_sha
 from lightning_scale.core.planner.calibration import calibrated, cluster_from_record, planner_record
 from lightning_scale.core.planner.cluster import HOPPER, LINKS, Cluster
 from lightning_scale.core.planner.collectives import collective_time, placement
+from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.published import RECORDS, SOURCES, predict
 from lightning_scale.core.planner.search import UNMEASURED_SCHEDULES, candidates
-from lightning_scale.core.planner.memory import estimate_memory
 from lightning_scale.core.planner.step_time import estimate_time
 from lightning_scale.models import PRESETS
 
@@ -40,8 +40,9 @@ def test_a_collective_that_leaves_the_node_runs_over_every_nic_of_it() -> None:
     assert inside == pytest.approx(7 / 8 * nbytes / (450 * GB * eff.intra_link))
     # The old model (one NIC for the whole group) would have been 8 times slower across the nodes.
     one_nic = dataclasses.replace(node, nics_per_node=1)
-    assert collective_time(one_nic, eff, "all_reduce", nbytes, 16, 1) == pytest.approx(8 * whole * min(
-        450 * eff.intra_link, 400 * eff.inter_link) / (400 * eff.inter_link))  # fmt: skip
+    assert collective_time(one_nic, eff, "all_reduce", nbytes, 16, 1) == pytest.approx(
+        8 * whole * min(450 * eff.intra_link, 400 * eff.inter_link) / (400 * eff.inter_link)
+    )
 
 
 def test_an_all_reduce_across_many_nodes_pays_a_trees_latency_a_gather_a_rings() -> None:
@@ -63,7 +64,9 @@ def test_nics_are_checked_and_kept_per_device_when_a_node_is_resized() -> None:
     with pytest.raises(ValueError, match=r"nics_per_node.*positive.*NICs of one node"):
         dataclasses.replace(h100, nics_per_node=0)
     # A run's record keeps them; one written before them gets its preset's.
-    record = json.loads(json.dumps(planner_record(model_shape(PRESETS["tiny"]), Workload(8, 64), Candidate(1, 1, 1), h100, None)))
+    record = json.loads(
+        json.dumps(planner_record(model_shape(PRESETS["tiny"]), Workload(8, 64), Candidate(1, 1, 1), h100, None))
+    )
     assert cluster_from_record(record["cluster"], "r").nics_per_node == 8
     del record["cluster"]["nics_per_node"]
     assert cluster_from_record(record["cluster"], "r").nics_per_node == 8
@@ -96,7 +99,9 @@ def test_fsdp_gathers_per_micro_batch_as_fsdp2_does() -> None:
     backward, ``fsdp_grad_op`` once a micro-batch (its forward's kept for the backward)."""
     fsdp, zero2 = _dp_terms("bf16-mixed", "fsdp", micro_batch=1), _dp_terms("bf16-mixed", "fsdp_grad_op", micro_batch=1)
     one = _dp_terms("bf16-mixed", "fsdp_grad_op", micro_batch=4)
-    assert fsdp["dp_gather_s"] == pytest.approx(2 * zero2["dp_gather_s"]) and zero2["dp_gather_s"] == pytest.approx(4 * one["dp_gather_s"])
+    assert fsdp["dp_gather_s"] == pytest.approx(2 * zero2["dp_gather_s"]) and zero2["dp_gather_s"] == pytest.approx(
+        4 * one["dp_gather_s"]
+    )
 
 
 def test_tensor_parallel_overlap_hides_its_share_behind_the_gemms() -> None:
@@ -104,7 +109,9 @@ def test_tensor_parallel_overlap_hides_its_share_behind_the_gemms() -> None:
     c, w = Candidate(1, 8, 1, micro_batch=8, sequence_parallel=True), Workload(8, 2048, "bf16-mixed")
     plain = estimate_time(shape, w, c, node).terms
     hidden = estimate_time(shape, w, c, node, dataclasses.replace(HOPPER, tp_overlap=0.8)).terms
-    assert hidden["tensor_parallel"] == pytest.approx(max(plain["tensor_parallel"] - 0.8 * plain["compute"], 0.2 * plain["tensor_parallel"]))
+    assert hidden["tensor_parallel"] == pytest.approx(
+        max(plain["tensor_parallel"] - 0.8 * plain["compute"], 0.2 * plain["tensor_parallel"])
+    )
 
 
 def test_attention_is_the_larger_share_of_a_long_sequence_and_fsdp_across_nodes_stays_flat() -> None:
@@ -115,8 +122,15 @@ def test_attention_is_the_larger_share_of_a_long_sequence_and_fsdp_across_nodes_
     rates = [predict(r).tokens_per_sec / r.gpus for r in rows]
     assert max(rates) / min(rates) - 1 <= 0.15, rates
     seven_b = model_shape(PRESETS["7b"])
-    short, long = (estimate_time(seven_b, Workload(8, s, "bf16-mixed"), Candidate(1, 1, 1, micro_batch=1), cluster("h100-sxm", devices_per_node=1)).terms
-                   for s in (1024, 32768))  # fmt: skip
+    short, long = (
+        estimate_time(
+            seven_b,
+            Workload(8, s, "bf16-mixed"),
+            Candidate(1, 1, 1, micro_batch=1),
+            cluster("h100-sxm", devices_per_node=1),
+        ).terms
+        for s in (1024, 32768)
+    )
     assert short["attention"] < 0.1 * short["compute"] and long["attention"] > long["compute"]
 
 
@@ -124,7 +138,9 @@ def test_published_runs_the_planner_was_not_fitted_on_within_12_percent_pooled()
     """Three sources besides Narayanan et al. 2021 (benchmarks/planner.py prints every row)."""
     errors: dict[str, list[float]] = {}
     for record in RECORDS:
-        errors.setdefault(record.source, []).append(predict(record).tokens_per_sec / record.gpus / record.tokens_per_sec_per_gpu - 1)
+        errors.setdefault(record.source, []).append(
+            predict(record).tokens_per_sec / record.gpus / record.tokens_per_sec_per_gpu - 1
+        )
     assert set(errors) == set(SOURCES) and len(SOURCES) >= 3
     pooled = statistics.fmean(abs(e) for rows in errors.values() for e in rows)
     assert pooled <= 0.12, pooled
@@ -136,8 +152,17 @@ def test_unmeasured_schedules_are_not_ranked_unless_asked_for() -> None:
     shape, workload, node = model_shape(PRESETS["1.3b"]), Workload(64, 2048, "bf16-mixed"), cluster("h100-sxm")
     ranked = {c.schedule for c in candidates(shape, workload, node)}
     assert ranked == {"1f1b", "gpipe", "interleaved_1f1b"} and not ranked & set(UNMEASURED_SCHEDULES)
-    untied = model_shape({"num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 8, "vocab_size": 32000,
-                          "intermediate_size": 2816, "hidden_act": "silu", "tie_word_embeddings": False})  # fmt: skip
+    untied = model_shape(
+        {
+            "num_hidden_layers": 8,
+            "hidden_size": 1024,
+            "num_attention_heads": 8,
+            "vocab_size": 32000,
+            "intermediate_size": 2816,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+    )
     asked = plan(untied, workload, node, schedules=(("zbv", 2),), dp_modes=("fsdp",))
     assert {e.candidate.schedule for e in asked if e.candidate.pp > 1} == {"zbv"}
     assert "MemTracker" in UNMEASURED_SCHEDULES["zbv"]
@@ -147,10 +172,15 @@ def test_a_source_is_planned_on_its_own_system_with_only_what_its_software_had()
     """The H100 sources' constants differ from the preset's only in what their software did (fused kernels,
     overlapped tensor-parallel communication, a slower attention kernel); Megatron-LM's on A100 are the
     constants fitted on Narayanan et al. 2021, unchanged."""
-    for name, allowed in (("megatron_core_2024", {"elementwise", "tp_overlap", "source"}), ("llm_foundry_2024", {"attention", "source"})):
+    for name, allowed in (
+        ("megatron_core_2024", {"elementwise", "tp_overlap", "source"}),
+        ("llm_foundry_2024", {"attention", "source"}),
+    ):
         source = SOURCES[name]
         preset = cluster(source.cluster).efficiency
-        changed = {f.name for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(source.efficiency, f.name)}
+        changed = {
+            f.name for f in dataclasses.fields(preset) if getattr(preset, f.name) != getattr(source.efficiency, f.name)
+        }
         assert changed == allowed, (name, changed)
     assert math.isclose(SOURCES["llm_foundry_2024"].efficiency.attention, HOPPER.attention / 2.5)
     from lightning_scale.core.planner.cluster import A100_MEGATRON
@@ -169,13 +199,17 @@ def test_float8_runs_the_blocks_linears_at_the_float8_rate_and_pays_their_casts(
     blocks = shape.n_layers * (shape.block_flops_per_token(2048) - shape.attention_flops_per_token(2048)) * tokens
     head = shape.head_flops_per_token() * tokens
     assert fp8.inputs["matmul_rate"] == pytest.approx(fp8_rate)
-    assert fp8.terms["compute"] == pytest.approx(blocks / fp8_rate + head / bf16.inputs["matmul_rate"])  # the head stays bf16
+    assert fp8.terms["compute"] == pytest.approx(
+        blocks / fp8_rate + head / bf16.inputs["matmul_rate"]
+    )  # the head stays bf16
     assert fp8.terms["attention"] == bf16.terms["attention"]
     casts = shape.n_layers * (shape.float8_cast_elements_per_token() * tokens + 2 * shape.block_matmul_parameters) * 5
     assert fp8.terms["elementwise"] - bf16.terms["elementwise"] == pytest.approx(casts / (3.35e12 * eff.memory))
     assert 1.1 < bf16.step_time / fp8.step_time < 1.5  # torchao and torchtitan publish +10% to +28% on H100
     with pytest.raises(ValueError, match=r"A100 SXM 80GB has no float8 peak"):
-        estimate_time(shape, workload, Candidate(1, 1, 1, micro_batch=8, float8=True), cluster("a100-sxm-80", devices_per_node=1))
+        estimate_time(
+            shape, workload, Candidate(1, 1, 1, micro_batch=8, float8=True), cluster("a100-sxm-80", devices_per_node=1)
+        )
 
 
 def test_context_parallel_splits_each_sequence_and_passes_keys_and_values_around_its_ring() -> None:
@@ -188,7 +222,10 @@ def test_context_parallel_splits_each_sequence_and_passes_keys_and_values_around
     assert four.world_size == 8 and four.data_shards == 8 and not four.trainable and one.trainable
     assert four.layout == "fsdp2-tp1-pp1-cp4"
     node2 = cluster("h100-sxm", devices_per_node=2)
-    t1, t4 = estimate_time(shape, workload, one, node2, NO_LATENCY), estimate_time(shape, workload, four, node, NO_LATENCY, explain=True)
+    t1, t4 = (
+        estimate_time(shape, workload, one, node2, NO_LATENCY),
+        estimate_time(shape, workload, four, node, NO_LATENCY, explain=True),
+    )
     assert t4.terms["attention"] == pytest.approx(t1.terms["attention"] / 4)
     kv = 2 * shape.kv_width * 32768 / 4 * 2  # a block's keys and values on one rank, bf16
     ring = collective_time(node, NO_LATENCY, "all_gather", 3 * shape.n_layers * 4 * kv, 4, 1)
@@ -207,7 +244,9 @@ def test_planned_only_dimensions_are_searched_where_they_exist_and_marked() -> N
     assert {c.cp for c in h100} == {1, 2, 4, 8} and {c.float8 for c in h100} == {False, True}
     assert {c.float8 for c in candidates(shape, Workload(64, 8192, "bf16-mixed"), cluster("a100-sxm-80"))} == {False}
     assert {c.float8 for c in candidates(shape, Workload(64, 8192, "32-true"), cluster("h100-sxm"))} == {False}
-    trainable = list(candidates(shape, Workload(64, 8192, "bf16-mixed"), cluster("h100-sxm"), context_parallel=(1,), float8=(False,)))
+    trainable = list(
+        candidates(shape, Workload(64, 8192, "bf16-mixed"), cluster("h100-sxm"), context_parallel=(1,), float8=(False,))
+    )
     assert trainable and all(c.trainable for c in trainable)
 
 
@@ -219,7 +258,13 @@ def test_megatrons_pipeline_sends_are_split_over_the_tensor_parallel_ranks() -> 
     shape, workload = model_shape(PRESETS["7b"]), Workload(64, 2048, "bf16-mixed")
     node = cluster("a100-sxm-80", nodes=4)
     c = Candidate(1, 8, 4, micro_batch=1)  # no sequence parallelism; each stage on its own node
-    whole = estimate_time(shape, workload, c, node, dataclasses.replace(A100_MEGATRON, pipeline_scatter_gather=False, latency=0.0))
+    whole = estimate_time(
+        shape, workload, c, node, dataclasses.replace(A100_MEGATRON, pipeline_scatter_gather=False, latency=0.0)
+    )
     split = estimate_time(shape, workload, c, node, dataclasses.replace(A100_MEGATRON, latency=0.0))
     assert split.terms["pipeline_transfers"] == pytest.approx(whole.terms["pipeline_transfers"] / 8)
-    assert A100_MEGATRON.pipeline_scatter_gather and not A100_FLASH.pipeline_scatter_gather and not HOPPER.pipeline_scatter_gather
+    assert (
+        A100_MEGATRON.pipeline_scatter_gather
+        and not A100_FLASH.pipeline_scatter_gather
+        and not HOPPER.pipeline_scatter_gather
+    )

@@ -109,7 +109,9 @@ class Watch(Callback):
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "scheduler_steps": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
                 "collectives": collectives,
-                "grad_norm": float(norm) if (norm := trainer.callback_metrics.get("train/grad_norm")) is not None else None,
+                "grad_norm": float(norm)
+                if (norm := trainer.callback_metrics.get("train/grad_norm")) is not None
+                else None,
             }
         )
         if trainer.global_step == INJECT_STEP + 1 and self.before:
@@ -171,12 +173,18 @@ def _fit(
     # FSDP2's policy per sharded module: (param, reduce, output) dtypes.
     result["fsdp_policies"] = sorted(
         {
-            tuple(str(d) for d in (m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype,
-                                   m._get_fsdp_state()._mp_policy.output_dtype))
+            tuple(
+                str(d)
+                for d in (
+                    m._get_fsdp_state()._mp_policy.param_dtype,
+                    m._get_fsdp_state()._mp_policy.reduce_dtype,
+                    m._get_fsdp_state()._mp_policy.output_dtype,
+                )
+            )
             for m in module.modules()
             if isinstance(m, FSDPModule)
         }
-    )  # fmt: skip
+    )
     return result
 
 
@@ -242,7 +250,9 @@ WORLD2: dict[str, Any] = {
 # dp=2 x pp=2 x tp=2; ranks are (dp, pp, tp) row-major: rank 5 is dp 1, stage 0 (no loss), tp 1.
 WORLD8: dict[str, Any] = {
     "bf16-3d": lambda w: _fit(_hybrid(dp=2, tp=2, pp=2), w, "bf16-mixed"),
-    "fp16-inject-3d": lambda w: _fit(_hybrid(dp=2, tp=2, pp=2), w, _fp16(), watch=Watch((5, "model.blocks.0.mlp.fc.weight"))),
+    "fp16-inject-3d": lambda w: _fit(
+        _hybrid(dp=2, tp=2, pp=2), w, _fp16(), watch=Watch((5, "model.blocks.0.mlp.fc.weight"))
+    ),
 }
 
 
@@ -279,7 +289,9 @@ def _check_bf16(results: list[dict[str, Any]], reference: dict[str, Any], fsdp: 
         assert all(s["collectives"] == 1 for s in result["steps"]), [s["collectives"] for s in result["steps"]]
 
 
-@pytest.mark.parametrize("case", [*(f"bf16-pp2-{s}" for s in PP_SCHEDULES), "bf16-tp2", "bf16-dp2-fsdp", "bf16-dp2-hsdp"])
+@pytest.mark.parametrize(
+    "case", [*(f"bf16-pp2-{s}" for s in PP_SCHEDULES), "bf16-tp2", "bf16-dp2-fsdp", "bf16-dp2-hsdp"]
+)
 def test_bf16_computes_in_bf16_on_every_rank_and_follows_one_process(
     world2: dict[str, list[Any]], bf16_reference: dict[str, Any], case: str
 ) -> None:
@@ -324,8 +336,10 @@ def test_an_inf_on_one_rank_skips_the_same_step_everywhere(world2: dict[str, lis
 def test_the_loss_scale_reaches_the_pipeline_schedule(world2: dict[str, list[Any]]) -> None:
     # Before the injected step, fp16 gradient norms (unscaled) agree across layouts: the pipeline's
     # micro-batch losses were scaled as much as the others' were unscaled.
-    norms = {case: [s["grad_norm"] for s in world2[case][0]["steps"][:INJECT_STEP]] for case in
-             ("fp16-inject-tp2", "fp16-inject-pp2", "fp16-inject-dp2-fsdp")}  # fmt: skip
+    norms = {
+        case: [s["grad_norm"] for s in world2[case][0]["steps"][:INJECT_STEP]]
+        for case in ("fp16-inject-tp2", "fp16-inject-pp2", "fp16-inject-dp2-fsdp")
+    }
     for case, values in norms.items():
         torch.testing.assert_close(values, norms["fp16-inject-tp2"], rtol=2e-2, atol=0, msg=case)
 
@@ -346,7 +360,13 @@ def test_a_resumed_run_restores_the_scaler_and_continues_identically(world2: dic
             assert [s[key] for s in rest["steps"]] == [s[key] for s in full["steps"][4:]], key
         assert rest["state"] == full["state"]
     # Growth every 2 good steps; the overflow at step 2 (hysteresis 2) skips without backing off.
-    assert [s["scale"] for s in world2["resume"][0]["full"]["steps"]][:5] == [2.0**10, 2.0**11, 2.0**11, 2.0**11, 2.0**12]
+    assert [s["scale"] for s in world2["resume"][0]["full"]["steps"]][:5] == [
+        2.0**10,
+        2.0**11,
+        2.0**11,
+        2.0**11,
+        2.0**12,
+    ]
 
 
 def test_fp16_and_bf16_train_as_well_as_fp32(world2: dict[str, list[Any]]) -> None:
@@ -356,38 +376,68 @@ def test_fp16_and_bf16_train_as_well_as_fp32(world2: dict[str, list[Any]]) -> No
         val = world2[case][0]["val"]
         assert val == pytest.approx(fp32, rel=0.02), (case, val, fp32)
     assert fp32 < 0.75 * world2["converge-fp32"][0]["steps"][0]["loss"]  # it did learn
-    assert world2["converge-fp16"][0]["state"]["skipped_steps"] == world2["converge-fp16"][0]["state"]["scaler"]["skipped_steps"]
+    assert (
+        world2["converge-fp16"][0]["state"]["skipped_steps"]
+        == world2["converge-fp16"][0]["state"]["scaler"]["skipped_steps"]
+    )
 
 
 def test_trainer_precision_strings_use_this_plugin_and_others_are_refused() -> None:
     from lightning.pytorch.plugins import HalfPrecision
     from lightning.pytorch.plugins import MixedPrecision as LightningMixedPrecision
 
-    for string, expected in [("bf16-mixed", "bf16-mixed"), ("32-true", "32-true"), ("bf16-true", "bf16-true"), ("64-true", "64-true")]:
+    for string, expected in [
+        ("bf16-mixed", "bf16-mixed"),
+        ("32-true", "32-true"),
+        ("bf16-true", "bf16-true"),
+        ("64-true", "64-true"),
+    ]:
         trainer = quiet_trainer(devices=1, strategy="hybrid", precision=string)
         assert isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.precision == expected
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning: "16-mixed is not supported on CPU, using bf16-mixed"
-        assert quiet_trainer(devices=1, strategy="hybrid", precision="16-mixed").precision_plugin.precision == "bf16-mixed"
+        assert (
+            quiet_trainer(devices=1, strategy="hybrid", precision="16-mixed").precision_plugin.precision == "bf16-mixed"
+        )
     scaler = torch.amp.GradScaler("cpu", init_scale=128.0, growth_interval=7)
-    converted = quiet_trainer(devices=1, strategy="hybrid", plugins=[LightningMixedPrecision("16-mixed", "cpu", scaler)]).precision_plugin
+    converted = quiet_trainer(
+        devices=1, strategy="hybrid", plugins=[LightningMixedPrecision("16-mixed", "cpu", scaler)]
+    ).precision_plugin
     assert converted.precision == "16-mixed" and converted.loss_scale == 128.0 and converted.scaler.growth_interval == 7
-    with pytest.raises(ValueError, match=r"cannot use HalfPrecision\(precision='16-true'\).*plugins=\[lightning_scale.plugins.MixedPrecision"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot use HalfPrecision\(precision='16-true'\).*plugins=\[lightning_scale.plugins.MixedPrecision",
+    ):
         quiet_trainer(devices=1, strategy="hybrid", plugins=[HalfPrecision("16-true")])
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"precision": "fp8"}, r"precision='fp8' is not one of '16-mixed', '32-true', '64-true', 'bf16-mixed', 'bf16-true', 'fp16-mixed'"),
-        ({"precision": "bf16-true", "init_scale": 1024.0}, r"init_scale=1024.0: loss-scaler options apply to precision='fp16-mixed' only"),
-        ({"precision": "bf16-mixed", "hysteresis": 2}, r"hysteresis=2: loss-scaler options apply to precision='fp16-mixed' only"),
+        (
+            {"precision": "fp8"},
+            r"precision='fp8' is not one of '16-mixed', '32-true', '64-true', 'bf16-mixed', 'bf16-true', 'fp16-mixed'",
+        ),
+        (
+            {"precision": "bf16-true", "init_scale": 1024.0},
+            r"init_scale=1024.0: loss-scaler options apply to precision='fp16-mixed' only",
+        ),
+        (
+            {"precision": "bf16-mixed", "hysteresis": 2},
+            r"hysteresis=2: loss-scaler options apply to precision='fp16-mixed' only",
+        ),
         ({"precision": "fp16-mixed", "growth_factor": 1.0}, r"growth_factor=1.0 must be greater than 1"),
         ({"precision": "fp16-mixed", "backoff_factor": 2.0}, r"backoff_factor=2.0 must be below 1"),
         ({"precision": "fp16-mixed", "growth_interval": 0}, r"growth_interval=0 must be a positive integer"),
         ({"precision": "fp16-mixed", "init_scale": -1.0}, r"init_scale=-1.0 must be a positive finite number"),
-        ({"precision": "fp16-mixed", "nonfinite_grads": "raise"}, r"nonfinite_grads='raise' with precision='fp16-mixed'"),
-        ({"precision": "bf16-mixed", "nonfinite_grads": "halt"}, r"nonfinite_grads='halt' is not one of 'ignore', 'raise', 'skip'"),
+        (
+            {"precision": "fp16-mixed", "nonfinite_grads": "raise"},
+            r"nonfinite_grads='raise' with precision='fp16-mixed'",
+        ),
+        (
+            {"precision": "bf16-mixed", "nonfinite_grads": "halt"},
+            r"nonfinite_grads='halt' is not one of 'ignore', 'raise', 'skip'",
+        ),
         ({"reduce_dtype": "int8"}, r"reduce_dtype='int8' is not one of 'bfloat16', 'float16', 'float32'"),
         ({"norm_type": 0}, r"norm_type=0 must be a positive number or inf"),
     ],
@@ -400,7 +450,14 @@ def test_bad_plugin_settings_are_refused(kwargs: dict[str, Any], match: str) -> 
 def _single(precision: MixedPrecision, *, inject: bool = False, steps: int = 4) -> tuple[Watch, Trainer]:
     watch = Watch((0, "model.blocks.0.mlp.fc.weight") if inject else None)
     seed_everything(0, verbose=False)
-    trainer = quiet_trainer(devices=1, strategy="hybrid", plugins=[precision], max_steps=steps, gradient_clip_val=1.0, callbacks=[GradNormMonitor(), watch])
+    trainer = quiet_trainer(
+        devices=1,
+        strategy="hybrid",
+        plugins=[precision],
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        callbacks=[GradNormMonitor(), watch],
+    )
     trainer.fit(GPTLightningModule(CONFIG, warmup_steps=3), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
     return watch, trainer
 
@@ -418,7 +475,9 @@ def test_bf16_non_finite_gradients_are_skipped_or_raised_on_request() -> None:
 
 
 def test_non_finite_parameter_names_are_reported_on_request() -> None:
-    with pytest.warns(RuntimeWarning, match=r"Non-finite gradients at global step 2 in 1 parameters: model.blocks.0.mlp.fc.weight"):
+    with pytest.warns(
+        RuntimeWarning, match=r"Non-finite gradients at global step 2 in 1 parameters: model.blocks.0.mlp.fc.weight"
+    ):
         _single(_fp16(log_nonfinite=True), inject=True)
 
 
@@ -437,9 +496,13 @@ class _LBFGSModule(GPTLightningModule):
 def test_an_optimizer_that_re_evaluates_its_closure_is_refused_with_fp16_and_runs_with_bf16() -> None:
     data = TextDataModule(seq_len=16, global_batch_size=4)
     trainer = quiet_trainer(devices=1, strategy="hybrid", plugins=[_fp16()], max_steps=1)
-    with pytest.raises(ValueError, match=r"LBFGS re-evaluates its closure inside step\(\).*precision='32-true' or 'bf16-mixed'"):
+    with pytest.raises(
+        ValueError, match=r"LBFGS re-evaluates its closure inside step\(\).*precision='32-true' or 'bf16-mixed'"
+    ):
         trainer.fit(_LBFGSModule(CONFIG), datamodule=data)
-    trainer = quiet_trainer(devices=1, strategy="hybrid", precision="bf16-mixed", max_steps=1, callbacks=[GradNormMonitor()])
+    trainer = quiet_trainer(
+        devices=1, strategy="hybrid", precision="bf16-mixed", max_steps=1, callbacks=[GradNormMonitor()]
+    )
     trainer.fit(_LBFGSModule(CONFIG), datamodule=data)
     assert trainer.global_step == 1
 
@@ -499,10 +562,17 @@ def test_fp16_with_gradient_accumulation_scales_every_micro_batch_alike() -> Non
         seed_everything(0, verbose=False)
         watch = Watch()
         trainer = quiet_trainer(
-            devices=1, strategy="hybrid", plugins=[precision], max_steps=3, accumulate_grad_batches=2,
-            gradient_clip_val=1.0, callbacks=[GradNormMonitor(), watch],
-        )  # fmt: skip
-        trainer.fit(GPTLightningModule(CONFIG, warmup_steps=1), datamodule=TextDataModule(seq_len=16, global_batch_size=4))
+            devices=1,
+            strategy="hybrid",
+            plugins=[precision],
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=1.0,
+            callbacks=[GradNormMonitor(), watch],
+        )
+        trainer.fit(
+            GPTLightningModule(CONFIG, warmup_steps=1), datamodule=TextDataModule(seq_len=16, global_batch_size=4)
+        )
         results[precision.precision] = [s["grad_norm"] for s in watch.steps if s["grad_norm"] is not None]
         assert trainer.global_step == 3
     assert trainer.precision_plugin.state_dict()["skipped_steps"] == 0

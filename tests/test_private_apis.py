@@ -27,9 +27,20 @@ PKG = ROOT / "lightning_scale"
 SHIMS = {**tc.SHIMS, **c10d.SHIMS, **lc.SHIMS}
 
 LIBRARIES = {
-    "torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "torchmetrics", "hydra",
-    "omegaconf", "fsspec", "transformers", "wandb", "deepspeed", "submitit",
-}  # fmt: skip
+    "torch",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "pytorch_lightning",
+    "torchmetrics",
+    "hydra",
+    "omegaconf",
+    "fsspec",
+    "transformers",
+    "wandb",
+    "deepspeed",
+    "submitit",
+}
 COMPAT_FILES = {PKG / "core" / "compat.py", PKG / "core" / "compat_c10d.py", PKG / "_lightning_compat.py"}
 
 OWN_MARKERS = {"_timed", "_residual_output"}
@@ -75,9 +86,11 @@ def private_uses(source: str, own: frozenset[str], known: frozenset[str]) -> lis
     tree = ast.parse(source)
     stdlib = {
         alias.asname or alias.name
-        for node in ast.walk(tree) if isinstance(node, ast.Import)
-        for alias in node.names if alias.name.split(".")[0] in sys.stdlib_module_names
-    }  # fmt: skip
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name.split(".")[0] in sys.stdlib_module_names
+    }
     found = []
 
     def attribute(node: ast.AST, base: ast.AST, name: str, what: str) -> None:
@@ -87,7 +100,12 @@ def private_uses(source: str, own: frozenset[str], known: frozenset[str]) -> lis
             found.append((node.lineno, name, what))
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in LIBRARIES:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] in LIBRARIES
+        ):
             private_module = any(_is_private(part) for part in node.module.split("."))
             for alias in node.names:
                 if private_module or _is_private(alias.name):
@@ -100,10 +118,13 @@ def private_uses(source: str, own: frozenset[str], known: frozenset[str]) -> lis
         elif isinstance(node, ast.Attribute):
             attribute(node, node.value, node.attr, f"{ast.unparse(node)[:60]}")
         elif (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-        ):  # fmt: skip
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
             attribute(node, node.args[0], node.args[1].value, f"{node.func.id}(..., {node.args[1].value!r})")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
             found.append((node.lineno, node.value, f"the string {node.value!r}"))
@@ -153,9 +174,10 @@ def _all_private_uses() -> list[tuple[Path, int, str, str]]:
     own, known = _own_names(), _known_private()
     found = [
         (path, line, name, what)
-        for path in _package_files() if path not in COMPAT_FILES
+        for path in _package_files()
+        if path not in COMPAT_FILES
         for line, name, what in private_uses(path.read_text(), own, known)
-    ]  # fmt: skip
+    ]
     return sorted(set(found + _inherited_private_uses()))
 
 
@@ -184,6 +206,11 @@ def test_the_scan_sees_a_private_use() -> None:
     )
     found = {name for _, name, _ in private_uses(source, _own_names(), _known_private())}
     assert found == {
-        "_ComputationType", "torch.distributed._tools", "_load_state", "_checkpoint_connector", "_data_source",
-        "_some_new_private", "_broadcast_sigterm_tensor",
-    }  # fmt: skip
+        "_ComputationType",
+        "torch.distributed._tools",
+        "_load_state",
+        "_checkpoint_connector",
+        "_data_source",
+        "_some_new_private",
+        "_broadcast_sigterm_tensor",
+    }

@@ -37,7 +37,9 @@ def test_ending_the_process_groups_joins_their_threads_that_destroy_alone_leaves
     for threads in run_distributed(_mesh_run_then_end, 2, timeout=60):
         assert any(name.startswith("pt_gloo_runloop") for name in threads["during"])
         # The mechanism behind the exit abort: the meshes (alive in DTensor specs) keep the groups.
-        assert threads["after_destroy"], "destroy_process_group alone now joins the threads: end_process_groups may shrink"
+        assert threads["after_destroy"], (
+            "destroy_process_group alone now joins the threads: end_process_groups may shrink"
+        )
         assert threads["left"] == [] and threads["now"] == []
 
 
@@ -56,13 +58,17 @@ if sys.argv[1] == "raise":
 
 
 @pytest.mark.parametrize("ending", ["normal", "raise"])
-def test_a_process_that_never_destroys_its_groups_has_them_ended_at_exit_unless_it_raised(ending: str, tmp_path: Path) -> None:
+def test_a_process_that_never_destroys_its_groups_has_them_ended_at_exit_unless_it_raised(
+    ending: str, tmp_path: Path
+) -> None:
     # A user's script under HybridParallelStrategy (its init_world calls end_at_exit) seldom destroys the
     # groups; after an uncaught exception they are left alone (a peer may still be in a collective with it).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", _EXIT_SCRIPT, ending, str(tmp_path / "store")]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     threads = json.loads(proc.stdout.split("EXIT-THREADS", 1)[1])
-    assert (proc.returncode == 0) == (ending == "normal"), proc.stderr[-3000:]  # (raised: 1, or an abort left to chance)
+    assert (proc.returncode == 0) == (ending == "normal"), proc.stderr[
+        -3000:
+    ]  # (raised: 1, or an abort left to chance)
     assert (threads == []) if ending == "normal" else any(t.startswith("pt_gloo_runloop") for t in threads), threads
     assert proc.stderr.count("Traceback") == (ending == "raise"), proc.stderr[-3000:]  # one handler, no failure

@@ -25,7 +25,9 @@ def test_quickstart_has_exactly_the_two_commands_and_ci_runs_the_test_one() -> N
 
 
 def test_constraints_pin_the_cpu_torch_build() -> None:
-    lines = [l.strip() for l in (ROOT / "constraints.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [
+        l.strip() for l in (ROOT / "constraints.txt").read_text().splitlines() if l.strip() and not l.startswith("#")
+    ]
     assert lines == ["torch==2.13.0"]
 
 

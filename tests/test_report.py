@@ -26,20 +26,52 @@ LAYOUT_RATES = {(1, 1): 3000.0, (2, 1): 2400.0, (1, 2): 2000.0, (2, 2): 1500.0}
 NOISY, REPEATS = (1, 2), (0.99, 1.0, 1.01)
 
 
-def _write_job(study: Path, job: int, *, world: int, tp: int = 1, pp: int = 1, rate: float, overrides: list[str],
-               precision: str = "bf16-mixed", **extra: Any) -> None:  # fmt: skip
+def _write_job(
+    study: Path,
+    job: int,
+    *,
+    world: int,
+    tp: int = 1,
+    pp: int = 1,
+    rate: float,
+    overrides: list[str],
+    precision: str = "bf16-mixed",
+    **extra: Any,
+) -> None:
     """One job's ``results.json`` as ``results.job_results`` writes it."""
     dp = world // (tp * pp)
     doc = {
-        "status": "completed", "study": study.name, "job": job, "layout": f"dp{dp}-tp{tp}-pp{pp}",
-        "layout_sizes": {"name": f"dp{dp}-tp{tp}-pp{pp}", "dp": dp, "tp": tp, "pp": pp, "mode": "ddp", "world_size": world},
-        "overrides": overrides, "precision": precision, "world_size": world, "num_nodes": 1, "accelerator": "cuda",
-        "global_batch_size": 32, "seq_len": 256, "tokens_per_sec": rate, "tokens_per_sec_per_device": rate / world,
-        "mfu": rate / 10_000, "usd_per_1m_tokens": 4000.0 / rate, "peak_memory_bytes": int(4096 / (tp * pp)) * 2**20,
-        "final_val_loss": 2.5, "best_val_loss": 2.45, "cpu_count": 16, "elapsed_s": 100.0,
+        "status": "completed",
+        "study": study.name,
+        "job": job,
+        "layout": f"dp{dp}-tp{tp}-pp{pp}",
+        "layout_sizes": {
+            "name": f"dp{dp}-tp{tp}-pp{pp}",
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "mode": "ddp",
+            "world_size": world,
+        },
+        "overrides": overrides,
+        "precision": precision,
+        "world_size": world,
+        "num_nodes": 1,
+        "accelerator": "cuda",
+        "global_batch_size": 32,
+        "seq_len": 256,
+        "tokens_per_sec": rate,
+        "tokens_per_sec_per_device": rate / world,
+        "mfu": rate / 10_000,
+        "usd_per_1m_tokens": 4000.0 / rate,
+        "peak_memory_bytes": int(4096 / (tp * pp)) * 2**20,
+        "final_val_loss": 2.5,
+        "best_val_loss": 2.45,
+        "cpu_count": 16,
+        "elapsed_s": 100.0,
         "curves": {"train/loss": [[s, 5.0 - s / 100 - job / 50] for s in range(0, 101, 25)], "val/loss": [[100, 2.5]]},
         **extra,
-    }  # fmt: skip
+    }
     (study / str(job)).mkdir(parents=True)
     (study / str(job) / "results.json").write_text(json.dumps(doc))
 
@@ -51,13 +83,23 @@ def _layout_sweep(root: Path) -> Path:
     for (tp, pp), rate in LAYOUT_RATES.items():
         for repeat, factor in enumerate((0.9, 1.0, 1.1) if (tp, pp) == NOISY else REPEATS):
             overrides = [f"strategy.tensor_parallel={tp}", f"strategy.pipeline_parallel={pp}", f"+repeat={repeat}"]
-            _write_job(study, job, world=4, tp=tp, pp=pp, rate=rate * factor, overrides=overrides,
-                       load_average={"start": 0.2, "end": 3.9})  # fmt: skip
+            _write_job(
+                study,
+                job,
+                world=4,
+                tp=tp,
+                pp=pp,
+                rate=rate * factor,
+                overrides=overrides,
+                load_average={"start": 0.2, "end": 3.9},
+            )
             job += 1
     return study
 
 
-def _device_sweep(root: Path, name: str = "scaling_strong-5e6f7a8b", devices: tuple[int, ...] = (1, 2, 4), **extra: Any) -> Path:
+def _device_sweep(
+    root: Path, name: str = "scaling_strong-5e6f7a8b", devices: tuple[int, ...] = (1, 2, 4), **extra: Any
+) -> Path:
     """Data parallelism on 1, 2, 4 devices, once each (tokens/s 1000, 1900, 3500)."""
     study = root / "multirun" / name
     for job, world in enumerate(devices):
@@ -102,11 +144,19 @@ def legends_outside(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def test_a_layout_sweep_is_bars_per_layout_best_first_with_the_spread_of_its_repeats(tmp_path: Path, legends_outside: list[str]) -> None:
+def test_a_layout_sweep_is_bars_per_layout_best_first_with_the_spread_of_its_repeats(
+    tmp_path: Path, legends_outside: list[str]
+) -> None:
     report = build_report(_layout_sweep(tmp_path))
     plots = report.directory / "plots"
     # One device count: no throughput-against-devices line, no single-point efficiency plot.
-    assert set(report.plots) == {"throughput_by_layout", "usd_per_1m_tokens_by_layout", "mfu_by_layout", "memory_per_device", "loss_curves"}
+    assert set(report.plots) == {
+        "throughput_by_layout",
+        "usd_per_1m_tokens_by_layout",
+        "mfu_by_layout",
+        "memory_per_device",
+        "loss_curves",
+    }
     assert not (plots / "throughput_vs_devices.png").exists() and not (plots / "scaling_efficiency.png").exists()
     assert set(legends_outside) == set(report.plots)
     bars = _chunks(plots / "throughput_by_layout.png")["Bars"]
@@ -126,18 +176,30 @@ def test_a_layout_sweep_is_bars_per_layout_best_first_with_the_spread_of_its_rep
     assert "class='warning'" in report.html.read_text()
 
 
-def test_a_device_count_sweep_has_scaling_plots_and_an_efficiency_column(tmp_path: Path, legends_outside: list[str]) -> None:
+def test_a_device_count_sweep_has_scaling_plots_and_an_efficiency_column(
+    tmp_path: Path, legends_outside: list[str]
+) -> None:
     report = build_report(_device_sweep(tmp_path))
     plots = report.directory / "plots"
-    assert set(legends_outside) == set(report.plots) >= {"throughput_vs_devices", "scaling_efficiency", "throughput_by_layout"}
+    assert (
+        set(legends_outside)
+        == set(report.plots)
+        >= {"throughput_vs_devices", "scaling_efficiency", "throughput_by_layout"}
+    )
     assert {s["name"] for s in _chunks(plots / "throughput_vs_devices.png")["Series"]} == {"measured", "ideal"}
     bars = _chunks(plots / "throughput_by_layout.png")["Bars"]
-    assert [(b["label"], b["value"], b["runs"]) for b in bars] == [("devices=4", 3500, 1), ("devices=2", 1900, 1), ("devices=1", 1000, 1)]
+    assert [(b["label"], b["value"], b["runs"]) for b in bars] == [
+        ("devices=4", 3500, 1),
+        ("devices=2", 1900, 1),
+        ("devices=1", 1000, 1),
+    ]
     md = report.markdown.read_text()
     # tokens/s per device against one device's 1000: 1900 / 2 = 95%, 3500 / 4 = 88%.
     assert [(r["job"], r["devices"], r["scaling efficiency"]) for r in _table(md)] == [
-        ("#2 dp4-tp1-pp1", "4", "88%"), ("#1 dp2-tp1-pp1", "2", "95%"), ("#0 dp1-tp1-pp1", "1", "100%")
-    ]  # fmt: skip
+        ("#2 dp4-tp1-pp1", "4", "88%"),
+        ("#1 dp2-tp1-pp1", "2", "95%"),
+        ("#0 dp1-tp1-pp1", "1", "100%"),
+    ]
     assert "**Warning:**" not in md
     # The study's totals (the synthetic jobs record 100 s each and $ from their rate): 100 s on 1+2+4 devices.
     assert "Study totals: 3 jobs ran: 0.194 device-hours, 0.0833 h of jobs, no cost recorded" in md
@@ -146,12 +208,18 @@ def test_a_device_count_sweep_has_scaling_plots_and_an_efficiency_column(tmp_pat
 
 def test_a_busy_machine_makes_the_report_warn(tmp_path: Path) -> None:
     idle = build_report(_device_sweep(tmp_path / "idle", load_average={"start": 0.3, "end": 2.0}))
-    assert "**Warning:**" not in idle.markdown.read_text() and "did not record the machine's load" not in idle.markdown.read_text()
+    assert (
+        "**Warning:**" not in idle.markdown.read_text()
+        and "did not record the machine's load" not in idle.markdown.read_text()
+    )
     study = _device_sweep(tmp_path / "busy", load_average={"start": 0.3, "end": 2.0})
     doc = json.loads((study / "1" / "results.json").read_text())
     (study / "1" / "results.json").write_text(json.dumps({**doc, "load_average": {"start": 3.5, "end": 5.0}}))
     md = build_report(study).markdown.read_text()
-    assert "> **Warning:** 1 of 3 jobs started on a busy machine (1-minute load average >= 1): #1 dp2-tp1-pp1 (3.5 on 16 CPUs)." in md
+    assert (
+        "> **Warning:** 1 of 3 jobs started on a busy machine (1-minute load average >= 1): #1 dp2-tp1-pp1 (3.5 on 16 CPUs)."
+        in md
+    )
 
 
 def test_a_combined_report_is_titled_with_every_study(tmp_path: Path) -> None:
@@ -213,8 +281,16 @@ def test_the_report_screenshot_shows_every_plot(tmp_path: Path, sweep: str) -> N
         _loaded((report.directory / target).read_bytes(), target)
 
     shot = tmp_path / f"report-{sweep}.png"
-    command = [chromium, "--headless", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
-               "--window-size=1400,2600", f"--screenshot={shot}", report.html.as_uri()]  # fmt: skip
+    command = [
+        chromium,
+        "--headless",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1400,2600",
+        f"--screenshot={shot}",
+        report.html.as_uri(),
+    ]
     if os.geteuid() == 0:
         command.insert(1, "--no-sandbox")  # Chromium refuses to run its sandbox as root
     proc = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
@@ -232,4 +308,8 @@ def test_the_table_shows_each_jobs_goodput(tmp_path: Path) -> None:
     older = json.loads((study / "1" / "results.json").read_text())
     (study / "1" / "results.json").write_text(json.dumps({**older, "goodput": None}))  # a job from before goodput
     rows = _table(build_report(study).markdown.read_text())
-    assert [(r["job"], r["goodput"]) for r in rows] == [("#2 dp4-tp1-pp1", "87.5%"), ("#1 dp2-tp1-pp1", "–"), ("#0 dp1-tp1-pp1", "87.5%")]
+    assert [(r["job"], r["goodput"]) for r in rows] == [
+        ("#2 dp4-tp1-pp1", "87.5%"),
+        ("#1 dp2-tp1-pp1", "–"),
+        ("#0 dp1-tp1-pp1", "87.5%"),
+    ]

@@ -31,9 +31,7 @@ def small_data(tmp_path: Path) -> Path:
     return prepare(tmp_path / "corpus.txt", tmp_path / "prepared", val_fraction=0.25, chunk_tokens=128)
 
 
-def _fit(
-    data: Path, root: Path, max_steps: int, workers: int, ckpt_path: str | None = None, every: int | None = None
-):
+def _fit(data: Path, root: Path, max_steps: int, workers: int, ckpt_path: str | None = None, every: int | None = None):
     torch.manual_seed(0)
     record = _RecordBatches()
     callbacks: list[Callback] = [record]

@@ -11,9 +11,23 @@ import torch
 
 import lightning_scale.core.checkpoint.shard_reader as shard_reader
 from lightning_scale.core.checkpoint.format import CheckpointCorruptError, checkpoint_name, verify
-from lightning_scale.core.checkpoint.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
+from lightning_scale.core.checkpoint.saved_tensor import (
+    archive_directory,
+    leading_tensor_range,
+    stored_tensor,
+    tensor_range,
+)
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _value(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -128,7 +142,9 @@ def test_a_load_reads_tensors_into_their_destinations_and_still_hashes_every_byt
     assert entry["bytes"] == len(data)
 
 
-def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees_the_file(tmp_path: Path, direct_reads) -> None:
+def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees_the_file(
+    tmp_path: Path, direct_reads
+) -> None:
     """Two keys sharing one destination (tied weights): a direct read of one copy could be hashed
     after the other copy overwrote it, hiding a corrupted copy. Both go through buffers instead."""
     from lightning_scale.core.checkpoint.sharded import load_sharded, save_sharded
@@ -146,7 +162,9 @@ def test_one_tensor_under_two_names_is_read_through_buffers_so_its_checksum_sees
         load_sharded(path, {"a": shared, "b": shared})
 
 
-def test_an_archive_the_direct_path_cannot_parse_is_read_through_a_buffer(tmp_path: Path, direct_reads, monkeypatch) -> None:
+def test_an_archive_the_direct_path_cannot_parse_is_read_through_a_buffer(
+    tmp_path: Path, direct_reads, monkeypatch
+) -> None:
     from lightning_scale.core.checkpoint.sharded import load_sharded
 
     def broken(*args: object) -> None:

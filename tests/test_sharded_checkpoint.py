@@ -24,9 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_scale  # noqa: F401
 import lightning_scale.core.checkpoint.shard_reader as shard_reader
-from lightning_scale.core.checkpoint.format import CheckpointCorruptError, verify
-from lightning_scale.core.checkpoint.state import decode, encode
+from lightning_scale.core.checkpoint.format import verify
 from lightning_scale.core.checkpoint.sharded import read_tensor_metadata
+from lightning_scale.core.checkpoint.state import decode, encode
 from lightning_scale.data import TextDataModule
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.plugins import ShardedCheckpointIO
@@ -81,7 +81,10 @@ def test_state_json_cannot_hold_is_refused_naming_where_it_is_except_hyper_param
         encode({"callbacks": {"mine": {"fn": lambda: 0}}}, {}, prefix="extra")
     with pytest.warns(RuntimeWarning, match=r"extra/hyper_parameters/net holds a Linear"):
         doc = encode(
-            {"hyper_parameters": {"net": torch.nn.Linear(1, 1)}}, {}, prefix="extra", lenient=lambda p: p[0] == "hyper_parameters"
+            {"hyper_parameters": {"net": torch.nn.Linear(1, 1)}},
+            {},
+            prefix="extra",
+            lenient=lambda p: p[0] == "hyper_parameters",
         )
     assert decode(doc, {})["hyper_parameters"]["net"].startswith("Linear(")
 
@@ -99,7 +102,9 @@ def test_random_states_round_trip() -> None:
 
 
 def test_options_are_checked_when_made() -> None:
-    with pytest.raises(ValueError, match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept"):
+    with pytest.raises(
+        ValueError, match=r"keep_last=0 must be a positive integer \(1 or more\)\. The newest checkpoint is always kept"
+    ):
         ShardedCheckpointIO(keep_last=0)
     with pytest.raises(ValueError, match=r"keep_every=5 needs keep_last"):
         ShardedCheckpointIO(keep_every=5)
@@ -107,9 +112,13 @@ def test_options_are_checked_when_made() -> None:
         ShardedCheckpointIO(auto_resume="always")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"metadata must hold JSON values"):
         ShardedCheckpointIO(metadata={"when": object()})
-    with pytest.raises(ValueError, match=r"checksum='xxh64' is not a checksum algorithm .* choose one of \('crc32', 'sha256'\)"):
+    with pytest.raises(
+        ValueError, match=r"checksum='xxh64' is not a checksum algorithm .* choose one of \('crc32', 'sha256'\)"
+    ):
         ShardedCheckpointIO(checksum="xxh64")
-    with pytest.raises(ValueError, match=r"thread_count=0 must be a positive integer \(1 or more\)\. It is the number of threads"):
+    with pytest.raises(
+        ValueError, match=r"thread_count=0 must be a positive integer \(1 or more\)\. It is the number of threads"
+    ):
         ShardedCheckpointIO(thread_count=0)
 
 
@@ -186,7 +195,9 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
     _fit(root / "a", 8, stop_at=6, callbacks=[top])
     result["top_dirs"] = _dirs(ckpts)
     result["top_manifests"] = {d: verify(ckpts / d)["global_step"] for d in _dirs(ckpts)}
-    resumed, module, _ = _fit(root / "a", 8, callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)], ckpt_path="last")
+    resumed, module, _ = _fit(
+        root / "a", 8, callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)], ckpt_path="last"
+    )
     result["from_last"], result["from_last_first_step"] = resumed.losses, resumed.first_step
     result["from_last_state"] = {k: v.clone() for k, v in module.state_dict().items()}
 
@@ -212,7 +223,11 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
 
     # "latest" passes over a broken newest checkpoint with a warning naming it.
     every = root / "every"
-    _fit(root / "c", 4, callbacks=[ModelCheckpoint(dirpath=every, every_n_train_steps=2, save_top_k=-1, filename="{step}")])
+    _fit(
+        root / "c",
+        4,
+        callbacks=[ModelCheckpoint(dirpath=every, every_n_train_steps=2, save_top_k=-1, filename="{step}")],
+    )
     shard = next((every / "step=4.ckpt").glob("__0_*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -261,7 +276,9 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
     _fit(root / "e", 8, stop_at=6, io=ShardedCheckpointIO(keep_last=2), callbacks=[every_two()])
     memory = fsspec.filesystem("memory")
     result["remote_after_stop"] = sorted(p.rsplit("/", 1)[-1] for p in memory.ls("/lightning-api/ckpts", detail=False))
-    memory.pipe_file("/lightning-api/ckpts/step=8.ckpt/__0_0.distcp", b"partial")  # a save that died before its manifest
+    memory.pipe_file(
+        "/lightning-api/ckpts/step=8.ckpt/__0_0.distcp", b"partial"
+    )  # a save that died before its manifest
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed, module, _ = _fit(
@@ -281,9 +298,10 @@ def _lightning_api(rank: int, world: int, out: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     consolidated = load_file(root / "remote.safetensors")
-    result["remote_consolidated_equal"] = all(
-        torch.equal(consolidated[k], v) for k, v in module.state_dict().items() if k in consolidated
-    ) and len(consolidated) > 0
+    result["remote_consolidated_equal"] = (
+        all(torch.equal(consolidated[k], v) for k, v in module.state_dict().items() if k in consolidated)
+        and len(consolidated) > 0
+    )
     return result
 
 
@@ -322,7 +340,9 @@ def test_save_checkpoint_writes_a_directory_one_process_loads_whole(lightning_ap
 
 
 def test_state_that_json_cannot_hold_is_refused_before_anything_is_written(lightning_api) -> None:
-    assert re.search(r"rank 0: Cannot store extra/mine/lock \(a lock\)", lightning_api["refused"]), lightning_api["refused"]
+    assert re.search(r"rank 0: Cannot store extra/mine/lock \(a lock\)", lightning_api["refused"]), lightning_api[
+        "refused"
+    ]
     assert not lightning_api["refused_exists"]
 
 
@@ -347,7 +367,9 @@ def test_checkpoints_at_a_url_save_retain_resume_from_latest_and_skip_a_save_tha
     # The directory left without a manifest is passed over, naming it; the run resumes at 6 and ends as
     # the run that never stopped.
     (warning,) = r["remote_warnings"]
-    assert re.search(r"memory:///lightning-api/ckpts/step=8\.ckpt, not a checkpoint: .*manifest\.json is missing", warning)
+    assert re.search(
+        r"memory:///lightning-api/ckpts/step=8\.ckpt, not a checkpoint: .*manifest\.json is missing", warning
+    )
     assert r["remote_first_step"] == 6 and r["remote_losses"] == r["straight"][6:]
     for name, value in r["straight_state"].items():
         assert torch.equal(r["remote_state"][name], value), name
@@ -358,7 +380,6 @@ def test_checkpoints_at_a_url_save_retain_resume_from_latest_and_skip_a_save_tha
     assert "BROKEN memory:///lightning-api/ckpts/step=8.ckpt: not a checkpoint" in r["remote_cli"], r["remote_cli"]
     assert "OK     memory:///lightning-api/ckpts/step=8-v1.ckpt" in r["remote_cli"], r["remote_cli"]
     assert r["remote_consolidated_equal"]
-
 
 
 # ---------------------------------------------------------------- resharding: any layout to any other
@@ -386,7 +407,9 @@ def _reshard(rank: int, world: int, out: str) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name, kwargs in LAYOUTS.items():
         save = ModelCheckpoint(dirpath=root / name, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-        losses, _, _ = _fit(root, 4, stop_at=2, strategy=HybridParallelStrategy(**kwargs), devices=world, callbacks=[save])
+        losses, _, _ = _fit(
+            root, 4, stop_at=2, strategy=HybridParallelStrategy(**kwargs), devices=world, callbacks=[save]
+        )
         result[name] = losses.losses
     # These loads read each tensor straight into its destination wherever it can (no size floor),
     # where a load of the small test model would otherwise decode every one from a buffer.
@@ -406,10 +429,19 @@ def _reshard(rank: int, world: int, out: str) -> dict[str, Any]:
             )
             result[f"{source}->{target}"] = (losses.first_step, losses.losses)
     # Another model configuration: an error on every rank, also where only one pipeline stage lacks its blocks.
-    for name, config in (("deeper", dataclasses.replace(TINY, n_layers=4)), ("wider", dataclasses.replace(TINY, d_model=32))):
+    for name, config in (
+        ("deeper", dataclasses.replace(TINY, n_layers=4)),
+        ("wider", dataclasses.replace(TINY, d_model=32)),
+    ):
         try:
-            _fit(root, 4, strategy=HybridParallelStrategy(**LAYOUTS["pp2"]), devices=world, config=config,
-                 ckpt_path=str(root / "pp2" / "step=2.ckpt"))  # fmt: skip
+            _fit(
+                root,
+                4,
+                strategy=HybridParallelStrategy(**LAYOUTS["pp2"]),
+                devices=world,
+                config=config,
+                ckpt_path=str(root / "pp2" / "step=2.ckpt"),
+            )
             result[name] = "no error"
         except (KeyError, ValueError) as err:
             result[name] = f"{type(err).__name__}: {err}"
@@ -481,8 +513,11 @@ def test_a_checkpoint_of_another_configuration_is_refused_on_every_rank_naming_w
     _, result, _ = resharded
     # 4 blocks at pp=2: the second stage's blocks 2-3 are not in the 2-block checkpoint; the first stage's are.
     assert re.search(r"KeyError: .*has no \['model/model\.blocks\.2\.", result["deeper"]), result["deeper"]
-    assert re.search(r"ValueError: 'model/model\.tok_emb\.weight' has shape \(256, 16\) in the checkpoint .* and "
-                     r"\(256, 32\) here", result["wider"]), result["wider"]  # fmt: skip
+    assert re.search(
+        r"ValueError: 'model/model\.tok_emb\.weight' has shape \(256, 16\) in the checkpoint .* and "
+        r"\(256, 32\) here",
+        result["wider"],
+    ), result["wider"]
 
 
 @pytest.mark.slow
@@ -498,7 +533,9 @@ def test_a_weight_tied_across_pipeline_stages_is_stored_once(resharded) -> None:
 
 # ---------------------------------------------------------------- async saves, failures during a save
 
-BIG = GPTConfig(n_layers=4, d_model=384, n_heads=2, block_size=8, tie_embeddings=True)  # ~85 MB of state per rank at tp=2
+BIG = GPTConfig(
+    n_layers=4, d_model=384, n_heads=2, block_size=8, tie_embeddings=True
+)  # ~85 MB of state per rank at tp=2
 
 
 def _rss_bytes() -> int:
@@ -611,7 +648,13 @@ def _async_cases(rank: int, world: int, out: str) -> dict[str, Any]:
     torch.distributed.barrier()
     result["url_dirs"] = _dirs(root / "remote")
     result["url_checksums"] = sorted(
-        {k for d in result["url_dirs"] for e in verify(root / "remote" / d)["files"] for k in e if k not in ("path", "bytes")}
+        {
+            k
+            for d in result["url_dirs"]
+            for e in verify(root / "remote" / d)["files"]
+            for k in e
+            if k not in ("path", "bytes")
+        }
     )
     return result
 
@@ -636,11 +679,16 @@ def test_twenty_async_saves_do_not_grow_host_memory_after_the_second(async_cases
     assert async_cases["kept"] == ["s18", "s19"]  # keep_last=2 ran in the background too
 
 
-def test_a_full_disk_or_a_permission_error_during_a_save_is_a_clear_error_and_earlier_checkpoints_stay_intact(async_cases) -> None:
+def test_a_full_disk_or_a_permission_error_during_a_save_is_a_clear_error_and_earlier_checkpoints_stay_intact(
+    async_cases,
+) -> None:
     assert async_cases["returned"]
     for key in ("async_error", "sync_error"):
         message = async_cases[key]
-        assert re.match(r"OSError: Saving the checkpoint .*ckpts/(full|sync-full) failed; earlier checkpoints are untouched", message)
+        assert re.match(
+            r"OSError: Saving the checkpoint .*ckpts/(full|sync-full) failed; earlier checkpoints are untouched",
+            message,
+        )
         assert "rank 0: OSError: [Errno 28] No space left on device" in message, message
     message = async_cases["permission_error"]
     assert "ckpts/read-only failed; earlier checkpoints are untouched" in message, message
@@ -693,7 +741,9 @@ def _preempted(rank: int, world: int, out: str) -> dict[str, Any]:
         result["exit"] = stop.code
     result["handler_restored"] = signal.getsignal(signal.SIGTERM) is not None
     result["dirs"] = _dirs(root / "run" / "checkpoints")
-    resumed, module, _ = _fit(root / "run", 6, strategy=HybridParallelStrategy(**dp2), devices=world, ckpt_path="latest")
+    resumed, module, _ = _fit(
+        root / "run", 6, strategy=HybridParallelStrategy(**dp2), devices=world, ckpt_path="latest"
+    )
     result["resumed"], result["first_step"] = resumed.losses, resumed.first_step
     result["resumed_state"] = _gathered(module)
     return result
@@ -745,12 +795,16 @@ def test_consolidate_streams_the_whole_weights_into_one_safetensors_file(reshard
     assert weights.keys() == whole.keys()  # the tied head included, under its own name
     for name, value in whole.items():
         assert torch.equal(weights[name], value), name
-    code, _ = _ckpt("consolidate", str(out / "pp2" / "step=2.ckpt"), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16")
+    code, _ = _ckpt(
+        "consolidate", str(out / "pp2" / "step=2.ckpt"), str(tmp_path / "bf16.safetensors"), "--dtype", "bf16"
+    )
     assert code == 0 and load_file(tmp_path / "bf16.safetensors")["model.tok_emb.weight"].dtype == torch.bfloat16
 
 
 @pytest.mark.slow
-def test_a_consolidated_hugging_face_model_loads_with_from_pretrained_and_gives_the_same_logits(resharded, tmp_path: Path) -> None:
+def test_a_consolidated_hugging_face_model_loads_with_from_pretrained_and_gives_the_same_logits(
+    resharded, tmp_path: Path
+) -> None:
     transformers = pytest.importorskip("transformers")
     from test_huggingface import HFModule
 
@@ -778,7 +832,9 @@ def test_a_consolidated_hugging_face_model_loads_with_from_pretrained_and_gives_
         ("delete-manifest", r"manifest\.json is missing"),
     ],
 )
-def test_verify_names_the_damaged_file_and_latest_falls_back(resharded, tmp_path: Path, damage: str, match: str) -> None:
+def test_verify_names_the_damaged_file_and_latest_falls_back(
+    resharded, tmp_path: Path, damage: str, match: str
+) -> None:
     import shutil
 
     out, _, _ = resharded

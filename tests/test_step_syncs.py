@@ -4,7 +4,6 @@ training needs: the gradient reduction, the clipping norm, and one agreement on 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,11 +37,15 @@ def _default_job(rank: int, world_size: int, run_dir: str) -> dict[int, dict[tup
         cfg = compose(
             "config",
             overrides=[
-                f"run_dir={run_dir}", f"trainer.max_steps={STEPS}", "trainer.limit_val_batches=0",
-                f"trainer.log_every_n_steps={LOG_EVERY}", f"callbacks.console.every_n_steps={LOG_EVERY}",
-                "data.global_batch_size=4", "data.seq_len=32",
+                f"run_dir={run_dir}",
+                f"trainer.max_steps={STEPS}",
+                "trainer.limit_val_batches=0",
+                f"trainer.log_every_n_steps={LOG_EVERY}",
+                f"callbacks.console.every_n_steps={LOG_EVERY}",
+                "data.global_batch_size=4",
+                "data.seq_len=32",
             ],
-        )  # fmt: skip
+        )
     module, datamodule, trainer, _ = build(cfg)
     counter = CountSyncs()
     trainer.callbacks.append(counter)
@@ -84,5 +87,9 @@ def test_the_telemetry_callbacks_share_one_all_reduce_at_logging_steps(default_j
             logging = steps[step]
             assert logging[("c10d.allreduce_", "strategies/hybrid/collectives.py:reduce")] >= 1
             # (The console, printing at these steps, reads the figures it prints: those published, host numbers.)
-            ours = {site: n for site, n in logging.items() if site[1].startswith("callbacks/") and "console.py" not in site[1]}
+            ours = {
+                site: n
+                for site, n in logging.items()
+                if site[1].startswith("callbacks/") and "console.py" not in site[1]
+            }
             assert ours == {("c10d.allreduce_", "callbacks/_telemetry.py:_all_reduce"): 1}, (step, ours)

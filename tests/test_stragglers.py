@@ -46,7 +46,9 @@ def test_the_exit_code_is_its_own_and_bad_options_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"action='stop' is not an action\. Pass 'warn' .* or 'restart' .* status 76"):
         StragglerMonitor(action="stop")  # type: ignore[arg-type]
     for bad in (0, -2, 1.5, True, "3"):
-        with pytest.raises(ValueError, match=rf"patience={bad!r} must be an integer of 1 or more: .* \(e\.g\. patience=3\)"):
+        with pytest.raises(
+            ValueError, match=rf"patience={bad!r} must be an integer of 1 or more: .* \(e\.g\. patience=3\)"
+        ):
             StragglerMonitor(action="restart", patience=bad)  # type: ignore[arg-type]
 
 
@@ -85,13 +87,21 @@ class SlowCollate:
         return default_collate(samples)
 
 
-def _fit(root: str, delay_s: dict[int, float], steps: int, patience: int, probe: bool, strategy: Any = None) -> dict[str, Any]:
+def _fit(
+    root: str, delay_s: dict[int, float], steps: int, patience: int, probe: bool, strategy: Any = None
+) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     tokens = torch.randint(0, 256, (64, 9), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4, collate_fn=SlowCollate(delay_s))
     monitor = StragglerMonitor(factor=FACTOR, probe=probe, action="restart", patience=patience)
-    trainer = quiet_trainer(devices=2, strategy=strategy or HybridParallelStrategy(data_parallel=2), max_steps=steps,
-                            log_every_n_steps=LOG_EVERY, default_root_dir=root, callbacks=[monitor])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=2,
+        strategy=strategy or HybridParallelStrategy(data_parallel=2),
+        max_steps=steps,
+        log_every_n_steps=LOG_EVERY,
+        default_root_dir=root,
+        callbacks=[monitor],
+    )
     ratios = MaxRatios()
     trainer.callbacks.append(ratios)
     trainer.fit(StackModule(), train_dataloaders=data)  # StragglerRestart (a SystemExit) ends the process here
@@ -130,9 +140,18 @@ def test_a_rank_slowed_50ms_a_batch_checkpoints_names_its_host_and_both_processe
     assert len(loaded["optimizer_states"]) == 1  # a full checkpoint: the run resumes from it
     record = json.loads((tmp_path / "stragglers" / "exclude.json").read_text())
     (straggler,) = record["stragglers"]
-    assert (straggler["rank"], straggler["host"], record["exclude"]) == (1, socket.gethostname(), [socket.gethostname()])
+    assert (straggler["rank"], straggler["host"], record["exclude"]) == (
+        1,
+        socket.gethostname(),
+        [socket.gethostname()],
+    )
     assert len(straggler["ratios"]) == PATIENCE and all(FACTOR < r < 2.0 for r in straggler["ratios"]), straggler
-    assert (record["step"], record["exit_code"], record["patience"], record["log_every_n_steps"]) == (trigger, 76, PATIENCE, LOG_EVERY)
+    assert (record["step"], record["exit_code"], record["patience"], record["log_every_n_steps"]) == (
+        trigger,
+        76,
+        PATIENCE,
+        LOG_EVERY,
+    )
     assert record["checkpoint"] == str(checkpoints / f"step-{trigger:06d}")
     (event,) = [json.loads(line) for line in (tmp_path / "stragglers" / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "straggler" and event["stragglers"] == record["stragglers"]

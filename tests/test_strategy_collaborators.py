@@ -367,7 +367,9 @@ def test_latest_resolves_to_none_with_a_warning_when_nothing_verifies(tmp_path: 
     trainer = _trainer(tmp_path)
     assert checkpoints.resolve_ckpt_path(trainer, io, "some.ckpt") == "some.ckpt"
     assert checkpoints.resolve_ckpt_path(trainer, io, None) is None  # auto_resume=False: nothing looked for
-    with pytest.warns(UserWarning, match='ckpt_path="latest": no checkpoint that verifies in .*; starting from scratch'):
+    with pytest.warns(
+        UserWarning, match='ckpt_path="latest": no checkpoint that verifies in .*; starting from scratch'
+    ):
         assert checkpoints.resolve_ckpt_path(trainer, io, "latest") is None
     assert checkpoints.resumed_by_latest is None
 

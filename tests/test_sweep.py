@@ -23,11 +23,16 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 
 from lightning_scale.cli import report as report_cli
-from lightning_scale.cli.report import METRICS, PALETTE, build_report
 from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
 from lightning_scale.cli.job_config import LayoutNotAdmitted, layout_of, preflight
+from lightning_scale.cli.report import METRICS, PALETTE, build_report
 
-SHORT = ["trainer.val_check_interval=5", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=5", "logger=[csv,wandb]"]
+SHORT = [
+    "trainer.val_check_interval=5",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=5",
+    "logger=[csv,wandb]",
+]
 
 
 def _executable(name: str) -> str:
@@ -38,7 +43,11 @@ def _executable(name: str) -> str:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", RESOLVED_CONFIG_ENV, "WANDB_DIR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", RESOLVED_CONFIG_ENV, "WANDB_DIR")
+    }
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", LIGHTNING_SCALE_CACHE=str(cache))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))  # helpers.*
     return env
@@ -57,7 +66,9 @@ def _check_mfu(r: dict[str, Any]) -> None:
 def _sweep(cwd: Path, cache: Path, *args: str, timeout: float = 400, **popen: Any) -> subprocess.CompletedProcess[str]:
     cwd.mkdir(parents=True, exist_ok=True)
     command = [_executable("lightning-scale-train"), "-m", *args]
-    return subprocess.run(command, cwd=cwd, env=_env(cache), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        command, cwd=cwd, env=_env(cache), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def _study_dir(cwd: Path) -> Path:
@@ -67,7 +78,9 @@ def _study_dir(cwd: Path) -> Path:
 
 
 def _job_dirs(study: Path) -> list[str]:
-    return sorted((p.name for p in study.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"), key=int)
+    return sorted(
+        (p.name for p in study.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "report"), key=int
+    )
 
 
 def _results(study: Path) -> dict[str, dict[str, Any]]:
@@ -80,8 +93,14 @@ def _out(proc: subprocess.CompletedProcess[str]) -> str:
 
 # --- the 4-job sweep (2 processes each) with 2 layouts that do not fit -----------------------------
 
-FOUR_JOBS = ["strategy=hybrid", "strategy.tensor_parallel=1,2,4", "strategy.data_parallel_mode=ddp,fsdp", "trainer.max_steps=10",
-             "callbacks.checkpoint=null", *SHORT]
+FOUR_JOBS = [
+    "strategy=hybrid",
+    "strategy.tensor_parallel=1,2,4",
+    "strategy.data_parallel_mode=ddp,fsdp",
+    "trainer.max_steps=10",
+    "callbacks.checkpoint=null",
+    *SHORT,
+]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +115,9 @@ def four_jobs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> dic
 def test_each_job_starts_its_processes_once_in_its_own_directory(four_jobs: dict[str, Any]) -> None:
     proc, cwd = four_jobs["proc"], four_jobs["cwd"]
     assert proc.returncode == 0, _out(proc)  # skipped jobs are not failures
-    assert proc.stdout.count("Launching 6 jobs locally") + proc.stderr.count("Launching 6 jobs locally") == 1  # no re-run sweep
+    assert (
+        proc.stdout.count("Launching 6 jobs locally") + proc.stderr.count("Launching 6 jobs locally") == 1
+    )  # no re-run sweep
     study = _study_dir(cwd)
     assert not (cwd / "outputs").exists() and not (cwd / "wandb").exists()  # the sweeping process ran nothing itself
     assert _job_dirs(study) == [str(i) for i in range(6)]
@@ -120,7 +141,9 @@ def test_each_job_starts_its_processes_once_in_its_own_directory(four_jobs: dict
         assert r["load_average"]["start"] >= 0 and r["load_average"]["end"] > 0 and r["cpu_count"] >= 1
     # The study's totals: each job's elapsed time on its 2 devices.
     totals = json.loads((study / "sweep.json").read_text())["totals"]
-    assert totals["jobs_run"] == 4 and totals["job_hours"] == pytest.approx(sum(r["elapsed_s"] for r in done.values()) / 3600)
+    assert totals["jobs_run"] == 4 and totals["job_hours"] == pytest.approx(
+        sum(r["elapsed_s"] for r in done.values()) / 3600
+    )
     assert totals["device_hours"] == pytest.approx(2 * totals["job_hours"])
     assert "device-hours" in proc.stdout + proc.stderr
     # One layout's training equals another's (parity), so the jobs ran their own configs correctly.
@@ -155,7 +178,10 @@ def test_one_wandb_run_per_job_with_the_study_as_group_and_the_layout_as_job_typ
         assert run["group"] == study.name and run["job_type"] == results[job]["layout"]
         assert run["id"] == results[job]["wandb_run_id"]
         config = run["config"]
-        assert config["resolved_config"]["strategy"]["tensor_parallel"] in (1, 2) and config["resolved_config"]["study"] == study.name
+        assert (
+            config["resolved_config"]["strategy"]["tensor_parallel"] in (1, 2)
+            and config["resolved_config"]["study"] == study.name
+        )
         env = config["environment"]
         assert env["world_size"] == 2 and "torch" in env["versions"] and "lightning-scale" in env["versions"]
 
@@ -176,7 +202,13 @@ def test_the_report_of_a_real_sweep(four_jobs: dict[str, Any]) -> None:
 # --- resumable sweeps, and the same sweep through submitit's local executor ------------------------
 
 # One process per job: the kill test of issue 12 covers resuming every rank of a multi-process run.
-TWO_JOBS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4,20", "callbacks.checkpoint.every_n_train_steps=5", *SHORT]
+TWO_JOBS = [
+    "strategy=hybrid",
+    "trainer.devices=1",
+    "trainer.max_steps=4,20",
+    "callbacks.checkpoint.every_n_train_steps=5",
+    *SHORT,
+]
 # The sweep the `resumed` fixture kills: in its first run (SlowSteps.ENV set) job 1 sleeps 30 s a step after
 # its first checkpoint (step 5; the hang watchdog's floor is 120 s), so the kill lands before it could commit
 # another however late a loaded machine runs the test (CI once saw 0.2 s a step outrun: it resumed from step
@@ -245,7 +277,9 @@ def test_rerunning_a_killed_sweep_skips_finished_jobs_and_resumes_the_other_in_t
 def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> None:
     study = resumed["study"]
     r1 = json.loads((study / "1" / "results.json").read_text())
-    resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())["global_step"]  # a sharded checkpoint
+    resumed_at = json.loads((Path(r1["resumed_from"]) / "manifest.json").read_text())[
+        "global_step"
+    ]  # a sharded checkpoint
     assert resumed_at == SLOW["after_step"]  # the first attempt held at the step after its first checkpoint
     # The console says so too: the resumed weights' validation is at their step, not at 0 (once per attempt).
     log = (study / "1" / "job.log").read_text()
@@ -254,7 +288,9 @@ def test_a_resumed_jobs_record_covers_its_whole_run(resumed: dict[str, Any]) -> 
     # before the resumed fit is at the step it resumed from, never at 0.
     assert [s for s, _ in r1["curves"]["train/loss"]] == list(range(5, 21, 5))
     val_steps = [s for s, _ in r1["curves"]["val/loss"]]
-    assert val_steps[:2] == [0, 5] and val_steps[-1] == 20 and val_steps == sorted(val_steps) and resumed_at in val_steps
+    assert (
+        val_steps[:2] == [0, 5] and val_steps[-1] == 20 and val_steps == sorted(val_steps) and resumed_at in val_steps
+    )
     summary = json.loads((study / "1" / "summary.json").read_text())
     assert summary["initial_val_loss"] == r1["curves"]["val/loss"][0][1] > 5.0  # the first attempt's (about ln 256)
     state = json.loads((Path(r1["resumed_from"]) / "trainer_state.json").read_text())  # a sharded checkpoint
@@ -289,7 +325,15 @@ def test_the_same_sweep_through_submitit_local_gives_the_same_jobs_and_results(
         a, b = ours[job], theirs[job]
         assert a["status"] == b["status"] == "completed"
         # The fingerprint writes the job's directory as ${run_dir}: equal though the sweeps ran in different places.
-        for key in ("layout", "global_step", "world_size", "precision", "global_batch_size", "overrides", "config_fingerprint"):
+        for key in (
+            "layout",
+            "global_step",
+            "world_size",
+            "precision",
+            "global_batch_size",
+            "overrides",
+            "config_fingerprint",
+        ):
             assert a[key] == b[key], key
         # Job 1 of the reference was killed and resumed; both train bitwise alike (fp32, same seed).
         assert a["final_val_loss"] == pytest.approx(b["final_val_loss"], abs=1e-6)
@@ -300,11 +344,23 @@ def test_the_same_sweep_through_submitit_local_gives_the_same_jobs_and_results(
 
 
 @pytest.mark.slow
-def test_a_failing_job_does_not_stop_the_sweep_and_the_exit_status_counts_failures(tmp_path: Path, data_cache: Path) -> None:
+def test_a_failing_job_does_not_stop_the_sweep_and_the_exit_status_counts_failures(
+    tmp_path: Path, data_cache: Path
+) -> None:
     # Job 0 (lr=-1) fails inside its process (the module's check); the sweep goes on to job 1
     # (seq_len=512), which fails before any process starts, and job 2 (tp=4), which is skipped.
-    proc = _sweep(tmp_path, data_cache, "strategy=hybrid", "trainer.devices=1", "trainer.max_steps=2", "callbacks=none",
-                  "logger=none", "module.learning_rate=-1", "data.seq_len=64,512", "strategy.tensor_parallel=1,4")  # fmt: skip
+    proc = _sweep(
+        tmp_path,
+        data_cache,
+        "strategy=hybrid",
+        "trainer.devices=1",
+        "trainer.max_steps=2",
+        "callbacks=none",
+        "logger=none",
+        "module.learning_rate=-1",
+        "data.seq_len=64,512",
+        "strategy.tensor_parallel=1,4",
+    )
     assert proc.returncode == 2, _out(proc)  # the failed jobs, not the skipped ones
     results = {tuple(r["overrides"][-2:]): r for r in _results(_study_dir(tmp_path)).values()}
     runtime = results[("data.seq_len=64", "strategy.tensor_parallel=1")]
@@ -352,10 +408,14 @@ def test_layout_sweep_covers_every_factorisation_the_model_admits() -> None:
     assert all(str(cfg.hydra.mode) == "RunMode.MULTIRUN" for _, cfg in jobs)
     admitted = sorted(n for n in (_admitted(cfg) for _, cfg in jobs) if n)
     # 4 processes: every dp x tp x pp with tp, pp in {1, 2, 4}; the tiny model (4 heads, 4 blocks) admits them all.
-    assert admitted == sorted(["dp4-tp1-pp1", "dp2-tp1-pp2", "dp1-tp1-pp4", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp1-tp4-pp1"])
+    assert admitted == sorted(
+        ["dp4-tp1-pp1", "dp2-tp1-pp2", "dp1-tp1-pp4", "dp2-tp2-pp1", "dp1-tp2-pp2", "dp1-tp4-pp1"]
+    )
     assert len(jobs) == 9  # the other 3 are skipped with the reason
     # A model with 2 heads admits no tensor_parallel=4: that job is skipped, not failed.
-    (_, cfg), = [(o, c) for o, c in _jobs("layout_sweep") if o == ["strategy.tensor_parallel=4", "strategy.pipeline_parallel=1"]]
+    ((_, cfg),) = [
+        (o, c) for o, c in _jobs("layout_sweep") if o == ["strategy.tensor_parallel=4", "strategy.pipeline_parallel=1"]
+    ]
     cfg.model.n_heads = 2
     with pytest.raises(LayoutNotAdmitted, match=r"tensor_parallel=4 does not divide the model's n_heads=2"):
         preflight(cfg)
@@ -408,11 +468,27 @@ def _fake_sweep(root: Path) -> Path:
         d = study / str(job)
         d.mkdir(parents=True)
         overrides = [f"trainer.devices={world}", f"strategy.tensor_parallel={2 if job == 3 else 1}"]
-        doc = {"status": "completed", "study": study.name, "job": job, "layout": layout, "world_size": world,
-               "layout_sizes": {"dp": world // (2 if job == 3 else 1), "tp": 2 if job == 3 else 1, "pp": 1},
-               "overrides": overrides, "precision": "bf16-mixed", "global_batch_size": 32, "tokens_per_sec": rate, "mfu": mfu,
-               "usd_per_1m_tokens": usd, "peak_memory_bytes": mib * 2**20, "final_val_loss": loss, "best_val_loss": loss - 0.01,
-               "curves": {"train/loss": [[s, 5.0 - s / 100 - job / 10] for s in range(0, 201, 50)], "val/loss": [[200, loss]]}}  # fmt: skip
+        doc = {
+            "status": "completed",
+            "study": study.name,
+            "job": job,
+            "layout": layout,
+            "world_size": world,
+            "layout_sizes": {"dp": world // (2 if job == 3 else 1), "tp": 2 if job == 3 else 1, "pp": 1},
+            "overrides": overrides,
+            "precision": "bf16-mixed",
+            "global_batch_size": 32,
+            "tokens_per_sec": rate,
+            "mfu": mfu,
+            "usd_per_1m_tokens": usd,
+            "peak_memory_bytes": mib * 2**20,
+            "final_val_loss": loss,
+            "best_val_loss": loss - 0.01,
+            "curves": {
+                "train/loss": [[s, 5.0 - s / 100 - job / 10] for s in range(0, 201, 50)],
+                "val/loss": [[200, loss]],
+            },
+        }
         (d / "results.json").write_text(json.dumps(doc))
         (d / "resolved_config.yaml").write_text(
             "strategy:\n  _target_: lightning_scale.strategies.HybridParallelStrategy\n  data_parallel: auto\n"
@@ -420,7 +496,9 @@ def _fake_sweep(root: Path) -> Path:
         )
     for job, status, reason in ((4, "skipped", "tensor_parallel=8 does not divide"), (5, "failed", "exit code 1")):
         (study / str(job)).mkdir()
-        (study / str(job) / "results.json").write_text(json.dumps({"status": status, "job": job, "reason": reason, "overrides": []}))
+        (study / str(job) / "results.json").write_text(
+            json.dumps({"status": status, "job": job, "reason": reason, "overrides": []})
+        )
     return study
 
 
@@ -448,17 +526,36 @@ def test_the_report_plots_rank_and_ship_everything_it_references(tmp_path: Path)
     _check_png(plots / "throughput_vs_devices.png", {"measured", "ideal"})
     assert _check_png(plots / "throughput_by_layout.png") == [{"name": "tokens_per_sec", "color": PALETTE[0]}]
     _check_png(plots / "scaling_efficiency.png", {"efficiency", "ideal"})
-    for name, key in (("mfu_by_layout", "mfu"), ("usd_per_1m_tokens_by_layout", "usd_per_1m_tokens"), ("memory_per_device", "peak_memory_bytes")):
+    for name, key in (
+        ("mfu_by_layout", "mfu"),
+        ("usd_per_1m_tokens_by_layout", "usd_per_1m_tokens"),
+        ("memory_per_device", "peak_memory_bytes"),
+    ):
         assert _check_png(plots / f"{name}.png") == [{"name": key, "color": PALETTE[0]}]
     curves = _check_png(plots / "loss_curves.png")
     assert [s["name"] for s in curves] == ["#0 dp1-tp1-pp1", "#1 dp2-tp1-pp1", "#2 dp4-tp1-pp1", "#3 dp2-tp2-pp1"]
     # Cheapest first; the skipped and failed jobs are listed apart, with why.
     assert [j["job"] for j in report.ranking] == [0, 1, 2, 3]
     md, page = report.markdown.read_text(), report.html.read_text()
-    assert [j["job"] for j in build_report(study, rank_by="tokens_per_sec", out=tmp_path / "r2").ranking] == [2, 3, 1, 0]
-    assert [j["job"] for j in build_report(study, rank_by="peak_memory_bytes", out=tmp_path / "r3").ranking] == [3, 2, 1, 0]
+    assert [j["job"] for j in build_report(study, rank_by="tokens_per_sec", out=tmp_path / "r2").ranking] == [
+        2,
+        3,
+        1,
+        0,
+    ]
+    assert [j["job"] for j in build_report(study, rank_by="peak_memory_bytes", out=tmp_path / "r3").ranking] == [
+        3,
+        2,
+        1,
+        0,
+    ]
     rows = [line for line in md.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert [r.split("|")[2].strip() for r in rows] == ["#0 dp1-tp1-pp1", "#1 dp2-tp1-pp1", "#2 dp4-tp1-pp1", "#3 dp2-tp2-pp1"]
+    assert [r.split("|")[2].strip() for r in rows] == [
+        "#0 dp1-tp1-pp1",
+        "#1 dp2-tp1-pp1",
+        "#2 dp4-tp1-pp1",
+        "#3 dp2-tp2-pp1",
+    ]
     assert "skipped**: tensor_parallel=8 does not divide" in md and "failed**: exit code 1" in md
     for target in re.findall(r"\]\(([^)]+)\)", md):
         assert (report.directory / target).is_file(), target
@@ -472,10 +569,23 @@ def test_best_writes_a_strategy_config_that_trains_with_that_layout(tmp_path: Pa
     assert report.best_config == report.directory / "conf" / "strategy" / "best.yaml"
     assert "strategy=best" in report.best_command and str(report.directory / "conf") in report.best_command
     # Passed straight back to the CLI (job 0 won on MFU: one device; the test trains 2 steps with it).
-    command = [*report.best_command.split()[1:], "trainer.max_steps=2", "trainer.limit_val_batches=1", "callbacks=none",
-               "logger=none", f"hydra.run.dir={tmp_path / 'best'}"]  # fmt: skip
-    proc = subprocess.run([_executable("lightning-scale-train"), *command], cwd=tmp_path, env=_env(data_cache),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    command = [
+        *report.best_command.split()[1:],
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=1",
+        "callbacks=none",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'best'}",
+    ]
+    proc = subprocess.run(
+        [_executable("lightning-scale-train"), *command],
+        cwd=tmp_path,
+        env=_env(data_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, _out(proc)
     assert "HybridParallelStrategy: dp=1 x pp=1 x tp=1 on 1 processes" in proc.stdout + proc.stderr
     results = json.loads((tmp_path / "best" / "results.json").read_text())
@@ -484,7 +594,9 @@ def test_best_writes_a_strategy_config_that_trains_with_that_layout(tmp_path: Pa
 
 def test_report_bad_input_names_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     study = _fake_sweep(tmp_path)
-    with pytest.raises(ValueError, match=r"--rank-by 'speed' is not a metric.*Valid: tokens_per_sec, .*usd_per_1m_tokens"):
+    with pytest.raises(
+        ValueError, match=r"--rank-by 'speed' is not a metric.*Valid: tokens_per_sec, .*usd_per_1m_tokens"
+    ):
         build_report(study, rank_by="speed")
     empty = tmp_path / "empty"
     (empty / "0").mkdir(parents=True)
@@ -514,15 +626,26 @@ def test_report_logs_its_table_and_plots_to_a_wandb_run_of_the_study(tmp_path: P
 
 # One device per job, 4 steps, no validation inside the fit (so the run validates after it), throughput
 # logged at steps 2 and 4; every logger; tp=4 does not fit one process: skipped.
-LOGGERS = ["strategy=hybrid", "trainer.devices=1", "trainer.max_steps=4", "trainer.log_every_n_steps=2",
-           "trainer.val_check_interval=100", "trainer.limit_val_batches=1", "callbacks.checkpoint=null", "validate_before_fit=false",
-           "study=loggers"]
+LOGGERS = [
+    "strategy=hybrid",
+    "trainer.devices=1",
+    "trainer.max_steps=4",
+    "trainer.log_every_n_steps=2",
+    "trainer.val_check_interval=100",
+    "trainer.limit_val_batches=1",
+    "callbacks.checkpoint=null",
+    "validate_before_fit=false",
+    "study=loggers",
+]
 
 
 def _tree(study: Path) -> dict[str, bytes]:
     """Every file of a study but Hydra's own records (which Hydra rewrites on every run)."""
-    return {str(p.relative_to(study)): p.read_bytes() for p in sorted(study.rglob("*"))
-            if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"}  # fmt: skip
+    return {
+        str(p.relative_to(study)): p.read_bytes()
+        for p in sorted(study.rglob("*"))
+        if p.is_file() and ".hydra" not in p.parts and p.name != "multirun.yaml"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -537,14 +660,31 @@ def loggers_study(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) ->
     before = _tree(study) if study.is_dir() else {}
     first_results = _results(study) if study.is_dir() else {}
     start = time.monotonic()
-    dry = _sweep(cwd, data_cache, "strategy.tensor_parallel=4,1", "logger=none,wandb,csv", *LOGGERS, "sweep.dry_run=true", timeout=120)
+    dry = _sweep(
+        cwd,
+        data_cache,
+        "strategy.tensor_parallel=4,1",
+        "logger=none,wandb,csv",
+        *LOGGERS,
+        "sweep.dry_run=true",
+        timeout=120,
+    )
     after_dry = _tree(study) if study.is_dir() else {}
     timings["dry"] = time.monotonic() - start
     start = time.monotonic()
     again = _sweep(cwd, data_cache, "strategy.tensor_parallel=4,1", "logger=none,wandb,csv", *LOGGERS, timeout=120)
     timings["again"] = time.monotonic() - start
-    return {"cwd": cwd, "study": study, "first": first, "dry": dry, "again": again, "before": before, "first_results": first_results,
-            "after_dry": after_dry, "timings": timings}  # fmt: skip
+    return {
+        "cwd": cwd,
+        "study": study,
+        "first": first,
+        "dry": dry,
+        "again": again,
+        "before": before,
+        "first_results": first_results,
+        "after_dry": after_dry,
+        "timings": timings,
+    }
 
 
 @pytest.mark.slow
@@ -554,8 +694,11 @@ def test_every_logger_records_throughput_mfu_and_why_when_missing(loggers_study:
     # trainer.callback_metrics, so results.json had no tokens/s or MFU although the console printed them.
     first = loggers_study["first"]
     assert first.returncode == 0, _out(first)
-    done = {next(o for o in r["overrides"] if o.startswith("logger=")): r
-            for r in loggers_study["first_results"].values() if r["status"] == "completed"}  # fmt: skip
+    done = {
+        next(o for o in r["overrides"] if o.startswith("logger=")): r
+        for r in loggers_study["first_results"].values()
+        if r["status"] == "completed"
+    }
     assert set(done) == {"logger=csv", "logger=wandb", "logger=none"}, done.keys()
     for r in done.values():
         assert r["tokens_per_sec"] > 0 and r["throughput"] == "logged", r
@@ -588,7 +731,11 @@ def test_a_dry_run_lists_every_job_with_what_it_would_do_and_launches_nothing(lo
     assert dry.returncode == 0, _out(dry)
     assert "dry run of" in dry.stdout and "6 jobs (6 skip); nothing was launched" in dry.stdout, _out(dry)
     rows = [line for line in dry.stdout.splitlines() if re.match(r"\[sweep\]\s+\d+ skip", line)]
-    assert len(rows) == 6 and sum("finished earlier" in r for r in rows) == 3 and sum("does not divide" in r for r in rows) == 3
+    assert (
+        len(rows) == 6
+        and sum("finished earlier" in r for r in rows) == 3
+        and sum("does not divide" in r for r in rows) == 3
+    )
     assert loggers_study["after_dry"] == loggers_study["before"]  # not a byte written
 
 
@@ -616,24 +763,40 @@ def test_sigkill_of_the_sweep_ends_every_process_of_its_job_and_a_running_job_ho
 
     mark = f"LS_TEST_SWEEP_MARK={os.getpid()}-{time.monotonic_ns()}"
     env = {**_env(data_cache), mark.split("=")[0]: mark.split("=")[1]}
-    command = [_executable("lightning-scale-train"), "-m", "strategy=hybrid", "trainer.devices=2", "trainer.max_steps=2000",
-               "trainer.log_every_n_steps=1", "callbacks.console.every_n_steps=1", "callbacks.checkpoint=null", "logger=wandb",
-               "sweep.progress_every_s=1", "study=killed"]  # fmt: skip
+    command = [
+        _executable("lightning-scale-train"),
+        "-m",
+        "strategy=hybrid",
+        "trainer.devices=2",
+        "trainer.max_steps=2000",
+        "trainer.log_every_n_steps=1",
+        "callbacks.console.every_n_steps=1",
+        "callbacks.checkpoint=null",
+        "logger=wandb",
+        "sweep.progress_every_s=1",
+        "study=killed",
+    ]
     job_dir = tmp_path / "multirun" / "killed" / "0"
     with open(tmp_path / "sweep.log", "w") as log:
         proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 200
             while time.monotonic() < deadline and proc.poll() is None:
-                if re.search(r"job 0 \(dp2-tp1-pp1\): step \d+/2000, loss [\d.]+", (tmp_path / "sweep.log").read_text()):
+                if re.search(
+                    r"job 0 \(dp2-tp1-pp1\): step \d+/2000, loss [\d.]+", (tmp_path / "sweep.log").read_text()
+                ):
                     break
                 time.sleep(0.2)
             printed = (tmp_path / "sweep.log").read_text()
             assert proc.poll() is None, printed[-3000:]
             # The live status names the job's log; the job's directory is held by the sweep.
             assert f"job 0 (dp2-tp1-pp1): started; log: {job_dir / 'job.log'}" in printed, printed[-3000:]
-            assert re.search(rf"step \d+/2000, loss [\d.]+.*\({re.escape(str(job_dir / 'job.log'))}\)", printed), printed[-3000:]
-            with pytest.raises(ValueError, match=rf"{re.escape(str(job_dir))} is held by process {proc.pid} .*kill {proc.pid}"):
+            assert re.search(rf"step \d+/2000, loss [\d.]+.*\({re.escape(str(job_dir / 'job.log'))}\)", printed), (
+                printed[-3000:]
+            )
+            with pytest.raises(
+                ValueError, match=rf"{re.escape(str(job_dir))} is held by process {proc.pid} .*kill {proc.pid}"
+            ):
                 hold_job_dir(job_dir)
             assert len(_marked(mark)) >= 4, _marked(mark)  # the sweep, the torchrun agent, 2 ranks
         finally:
@@ -688,27 +851,41 @@ def test_the_documented_sweep_commands_compose_into_their_jobs() -> None:
     jobs = {}
     for command in commands:
         args = shlex.split(command)
-        if any(a.startswith("hydra/launcher=") for a in args) or not re.search(r"-m |,|experiment=\w*(sweep|scaling)", command):
+        if any(a.startswith("hydra/launcher=") for a in args) or not re.search(
+            r"-m |,|experiment=\w*(sweep|scaling)", command
+        ):
             continue  # the SLURM lines need submitit's plugin (their sweep is plain overrides); single runs
         batch, configs = _expand_multirun(args, slice(0, 1))  # the first job composed: every override applies
         assert batch and configs, command
         jobs[command] = batch
     gpu = _expand_multirun(shlex.split("experiment=scaling_strong trainer=gpu trainer.devices=1,2,4,8"))[1]
-    assert [(c.trainer.devices, c.trainer.accelerator, c.data.global_batch_size) for c in gpu] == [(d, "gpu", 32) for d in (1, 2, 4, 8)]
+    assert [(c.trainer.devices, c.trainer.accelerator, c.data.global_batch_size) for c in gpu] == [
+        (d, "gpu", 32) for d in (1, 2, 4, 8)
+    ]
     weak = jobs["experiment=scaling_weak trainer=gpu trainer.devices=1,2,4,8"]
-    assert [[o for o in job if o.startswith("trainer.devices=")] for job in weak] == [[f"trainer.devices={d}"] for d in (1, 2, 4, 8)]
-    layouts = jobs["experiment=layout_sweep trainer.devices=8 strategy.tensor_parallel=1,2,4,8 strategy.pipeline_parallel=1,2,4,8"]
+    assert [[o for o in job if o.startswith("trainer.devices=")] for job in weak] == [
+        [f"trainer.devices={d}"] for d in (1, 2, 4, 8)
+    ]
+    layouts = jobs[
+        "experiment=layout_sweep trainer.devices=8 strategy.tensor_parallel=1,2,4,8 strategy.pipeline_parallel=1,2,4,8"
+    ]
     assert len(layouts) == 16
     precisions = jobs["experiment=precision_sweep trainer=gpu precision=fp32,bf16,bf16_true,fp16"]
-    assert [[o for o in job if o.startswith("precision=")] for job in precisions] == [[f"precision={p}"] for p in ("fp32", "bf16", "bf16_true", "fp16")]
+    assert [[o for o in job if o.startswith("precision=")] for job in precisions] == [
+        [f"precision={p}"] for p in ("fp32", "bf16", "bf16_true", "fp16")
+    ]
     assert not [c for c in commands if "hydra.sweeper.params." in c]  # Hydra refuses a sweep over its own config
     # repeat=range(3): every layout of the preset three times, once with each repeat (the jobs' overrides) ...
     batch, repeated = _expand_multirun(shlex.split("experiment=layout_sweep repeat=range(3)"), slice(0, 3))
     overrides = [dict(o.split("=", 1) for o in job) for job in batch]
     runs = [(o["strategy.tensor_parallel"], o["strategy.pipeline_parallel"], o["repeat"]) for o in overrides]
-    assert len({r[:2] for r in runs}) == 9 and sorted(runs) == sorted({(*r[:2], str(i)) for r in runs for i in range(3)})
+    assert len({r[:2] for r in runs}) == 9 and sorted(runs) == sorted(
+        {(*r[:2], str(i)) for r in runs for i in range(3)}
+    )
     # ... and it reaches the config: the first layout's three jobs, composed (a third of a second each, so not all 27).
-    assert [(c.strategy.tensor_parallel, c.strategy.pipeline_parallel, c.repeat) for c in repeated] == [(1, 1, r) for r in range(3)]
+    assert [(c.strategy.tensor_parallel, c.strategy.pipeline_parallel, c.repeat) for c in repeated] == [
+        (1, 1, r) for r in range(3)
+    ]
 
 
 def _mixed_sweep(root: Path, *, rates: tuple[Any, Any] = (1000.0, 2000.0), throughput: str = "logged") -> Path:
@@ -716,17 +893,41 @@ def _mixed_sweep(root: Path, *, rates: tuple[Any, Any] = (1000.0, 2000.0), throu
     from omegaconf import OmegaConf
 
     study = root / "multirun" / "mixed"
-    for job, (precision, name, batch, rate) in enumerate((("fp32", "32-true", 16, rates[0]), ("bf16", "bf16-mixed", 64, rates[1]))):
+    for job, (precision, name, batch, rate) in enumerate(
+        (("fp32", "32-true", 16, rates[0]), ("bf16", "bf16-mixed", 64, rates[1]))
+    ):
         d = study / str(job)
         d.mkdir(parents=True)
-        cfg = _compose("strategy=hybrid", f"precision={precision}", f"data.global_batch_size={batch}", "trainer.devices=1")
+        cfg = _compose(
+            "strategy=hybrid", f"precision={precision}", f"data.global_batch_size={batch}", "trainer.devices=1"
+        )
         task = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("hydra", "study")])
         OmegaConf.save(task, d / "resolved_config.yaml")
-        doc = {"status": "completed", "study": "mixed", "job": job, "layout": "dp1-tp1-pp1", "world_size": 1,
-               "layout_sizes": {"dp": 1, "tp": 1, "pp": 1}, "precision": name, "global_batch_size": batch,
-               "overrides": ["strategy=hybrid", f"precision={precision}", f"data.global_batch_size={batch}", "trainer.max_steps=5"],
-               "tokens_per_sec": rate, "mfu": None if rate is None else 0.1, "usd_per_1m_tokens": None, "peak_memory_bytes": 2**24,
-               "final_val_loss": 2.5, "best_val_loss": 2.4, "global_step": 5, "log_every_n_steps": 10, "throughput": throughput}  # fmt: skip
+        doc = {
+            "status": "completed",
+            "study": "mixed",
+            "job": job,
+            "layout": "dp1-tp1-pp1",
+            "world_size": 1,
+            "layout_sizes": {"dp": 1, "tp": 1, "pp": 1},
+            "precision": name,
+            "global_batch_size": batch,
+            "overrides": [
+                "strategy=hybrid",
+                f"precision={precision}",
+                f"data.global_batch_size={batch}",
+                "trainer.max_steps=5",
+            ],
+            "tokens_per_sec": rate,
+            "mfu": None if rate is None else 0.1,
+            "usd_per_1m_tokens": None,
+            "peak_memory_bytes": 2**24,
+            "final_val_loss": 2.5,
+            "best_val_loss": 2.4,
+            "global_step": 5,
+            "log_every_n_steps": 10,
+            "throughput": throughput,
+        }
         (d / "results.json").write_text(json.dumps(doc))
     return study
 
@@ -746,8 +947,11 @@ def test_best_carries_the_precision_the_global_batch_and_every_value_that_differ
 
 def test_ranking_by_a_metric_no_job_recorded_is_an_error_naming_the_recorded_ones(tmp_path: Path) -> None:
     study = _mixed_sweep(tmp_path)
-    with pytest.raises(ValueError, match=r"--rank-by usd_per_1m_tokens: no completed job recorded usd_per_1m_tokens.*"
-                       r"Recorded: tokens_per_sec, mfu, peak_memory_bytes, final_val_loss, best_val_loss"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"--rank-by usd_per_1m_tokens: no completed job recorded usd_per_1m_tokens.*"
+        r"Recorded: tokens_per_sec, mfu, peak_memory_bytes, final_val_loss, best_val_loss",
+    ):
         build_report(study, rank_by="usd_per_1m_tokens")
     assert report_cli.main([str(study), "--rank-by", "usd_per_1m_tokens"]) == 2
     assert not (study / "report").exists()
@@ -755,8 +959,11 @@ def test_ranking_by_a_metric_no_job_recorded_is_an_error_naming_the_recorded_one
 
 def test_a_sweep_too_short_to_log_throughput_says_so(tmp_path: Path) -> None:
     study = _mixed_sweep(tmp_path, rates=(None, None), throughput="no_logging_step")
-    with pytest.raises(ValueError, match=r"callback was on, but no job reached a logging step \(trainer.log_every_n_steps=10; "
-                       r"the jobs ran 5 steps\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"callback was on, but no job reached a logging step \(trainer.log_every_n_steps=10; "
+        r"the jobs ran 5 steps\)",
+    ):
         build_report(study)
     md = build_report(study, rank_by="final_val_loss").markdown.read_text()
     assert "the throughput callback was on, but no job reached a logging step" in md and "callback was off" not in md
@@ -769,7 +976,9 @@ def test_bad_sweep_options_are_refused_before_any_job_starts() -> None:
 
     with pytest.raises(TypeError, match=r"sweep.dry_run='yes' is not a boolean. Pass sweep.dry_run=true"):
         SweepSummary().on_multirun_start(OmegaConf.create({"sweep": {"dry_run": "yes", "progress_every_s": 10}}))
-    with pytest.raises(ValueError, match=r"sweep.progress_every_s=0 must be a number of seconds > 0 .* sweep.progress_every_s=10"):
+    with pytest.raises(
+        ValueError, match=r"sweep.progress_every_s=0 must be a number of seconds > 0 .* sweep.progress_every_s=10"
+    ):
         SweepSummary().on_multirun_start(OmegaConf.create({"sweep": {"dry_run": False, "progress_every_s": 0}}))
     cfg = _compose("sweep.progress_every_s=-1")
     with pytest.raises(ValueError, match=r"sweep.progress_every_s=-1 must be"):

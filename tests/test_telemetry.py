@@ -25,8 +25,8 @@ import lightning_scale.callbacks._steps as _steps
 import lightning_scale.callbacks._telemetry as telemetry
 from lightning_scale.callbacks import (
     CallbackGroup,
-    ConsoleLogger,
     CheckpointIntervalAdvisor,
+    ConsoleLogger,
     CostMonitor,
     NumericalHealth,
     StepTimeBreakdown,
@@ -35,6 +35,7 @@ from lightning_scale.callbacks import (
 )
 from lightning_scale.callbacks.group import group_callbacks
 from lightning_scale.core.checkpoint.interval import daly_interval, young_interval
+from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.telemetry.cost import (
     OFFERS,
     PRICES,
@@ -44,7 +45,6 @@ from lightning_scale.core.telemetry.cost import (
     price_key,
     price_multiplier,
 )
-from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
 from lightning_scale.core.telemetry.health import LossSpikeDetector
 from lightning_scale.core.telemetry.model_facts import ModelFacts, transformer_shape
 from lightning_scale.data import TextDataModule
@@ -82,7 +82,11 @@ class Logged(Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        keys = [k for k in trainer.callback_metrics if k.split("/")[0] in ("train", "cost", "energy", "checkpoint", "pipeline", "memory")]
+        keys = [
+            k
+            for k in trainer.callback_metrics
+            if k.split("/")[0] in ("train", "cost", "energy", "checkpoint", "pipeline", "memory")
+        ]
         self.steps.append({k: float(trainer.callback_metrics[k]) for k in keys})
 
 
@@ -137,8 +141,14 @@ def test_facts_of_the_gpt_are_analytic_and_match_the_flop_counter() -> None:
 
 def test_facts_of_hf_configs_a_hook_and_a_model_with_no_config() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     with torch.device("meta"):
         llama = transformers.LlamaForCausalLM(config)
     facts = ModelFacts.of(llama)
@@ -205,8 +215,9 @@ def _bubble(world: int, microbatches: int) -> dict[str, float]:
     for block in module.model.blocks.values():
         block.register_forward_hook(_sleep_in_forward)
     # Logged at steps 2 and 4: the last figures leave out the first step's warm-up.
-    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=4, log_every_n_steps=2,
-                            callbacks=[StepTimeBreakdown(), last])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=world, strategy=strategy, max_steps=4, log_every_n_steps=2, callbacks=[StepTimeBreakdown(), last]
+    )
     trainer.fit(module, datamodule=TextDataModule(seq_len=16, global_batch_size=16))
     return last.metrics
 
@@ -222,8 +233,9 @@ class SlowRank(Callback):
 def _stragglers(world: int) -> list[tuple[int, int, str, float]]:
     seed_everything(0, verbose=False)
     monitor = StragglerMonitor(factor=1.3)
-    trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
-                            callbacks=[SlowRank(), monitor])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2, callbacks=[SlowRank(), monitor]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
@@ -234,8 +246,12 @@ def _stack_facts(world: int) -> tuple[str, float | None]:
     """A user's module with no config at pp=2: its FLOPs are counted before the cut."""
     seed_everything(0, verbose=False)
     record = RecordFacts()
-    trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=2,
-                            microbatches=2), max_steps=1, callbacks=[Throughput(peak_flops=1e9), record])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HybridParallelStrategy(data_parallel=1, pipeline_parallel=2, microbatches=2),
+        max_steps=1,
+        callbacks=[Throughput(peak_flops=1e9), record],
+    )
     trainer.fit(StackModule(), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     return record.facts.source, record.facts.flops_per_token(SEQ)
 
@@ -259,8 +275,13 @@ def _cost_on_two(world: int) -> dict[str, float]:
     energy, cost_module._Energy = cost_module._Energy, _EnergyOnRankOne  # type: ignore[misc]
     try:
         seed_everything(0, verbose=False)
-        trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
-                                callbacks=[CostMonitor(price_per_device_hour=3.0)])  # fmt: skip
+        trainer = quiet_trainer(
+            devices=world,
+            strategy="ddp",
+            max_steps=4,
+            log_every_n_steps=2,
+            callbacks=[CostMonitor(price_per_device_hour=3.0)],
+        )
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     finally:
         _steps.clock = real
@@ -279,10 +300,16 @@ class _Part(telemetry.SharedTelemetry):
         if telemetry.should_log(trainer):
             step = trainer.global_step
             self.events.append(("contributed", self.name, step))
-            telemetry.contribute(trainer, self, telemetry.Share(
-                self.values(trainer.global_rank), self.op, lambda reduced: self._finish(reduced, step),
-                then=lambda: self.events.append(("then", self.name, step)),
-            ))  # fmt: skip
+            telemetry.contribute(
+                trainer,
+                self,
+                telemetry.Share(
+                    self.values(trainer.global_rank),
+                    self.op,
+                    lambda reduced: self._finish(reduced, step),
+                    then=lambda: self.events.append(("then", self.name, step)),
+                ),
+            )
 
     def _finish(self, reduced: list[Any], step: int) -> dict[str, float]:
         self.events.append(("finished", self.name, reduced))
@@ -320,10 +347,15 @@ def _shared_round(world: int) -> dict[str, Any]:
     seed_everything(0, verbose=False)
     events: list[Any] = []
     count = _CountAllReduces(events)
-    parts = [_Part("sum", "sum", lambda r: [r + 1.0, 10.0], events), Callback(),
-             _Part("max", "max", lambda r: [5.0 - r, 7.0 * r], events), _Part("gather", "gather", lambda r: [r, -r], events)]
-    trainer = quiet_trainer(devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2,
-                            callbacks=[count.first, *parts, count])  # fmt: skip
+    parts = [
+        _Part("sum", "sum", lambda r: [r + 1.0, 10.0], events),
+        Callback(),
+        _Part("max", "max", lambda r: [5.0 - r, 7.0 * r], events),
+        _Part("gather", "gather", lambda r: [r, -r], events),
+    ]
+    trainer = quiet_trainer(
+        devices=world, strategy="ddp", max_steps=4, log_every_n_steps=2, callbacks=[count.first, *parts, count]
+    )
     trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     return {"events": events, "all_reduces": count.counts}
 
@@ -342,9 +374,15 @@ def _hfu(world: int, case: str) -> dict[str, Any]:
     layout, layers, mode = HFU_CASES[case]
     seed_everything(0, verbose=False)
     last = LastMetrics()
-    strategy = HybridParallelStrategy(**layout, activation_checkpointing=mode, activation_checkpointing_every=2,
-                                      **({"microbatches": 2} if layout.get("pipeline_parallel", 1) > 1 else {}))  # fmt: skip
-    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=2, callbacks=[Throughput(peak_flops=PEAK), last])
+    strategy = HybridParallelStrategy(
+        **layout,
+        activation_checkpointing=mode,
+        activation_checkpointing_every=2,
+        **({"microbatches": 2} if layout.get("pipeline_parallel", 1) > 1 else {}),
+    )
+    trainer = quiet_trainer(
+        devices=world, strategy=strategy, max_steps=2, callbacks=[Throughput(peak_flops=PEAK), last]
+    )
     config = GPTConfig(n_layers=layers, d_model=32, n_heads=2, block_size=16)
     trainer.fit(GPTLightningModule(config), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
     module, pipeline = trainer.lightning_module, trainer.strategy.pipeline
@@ -444,12 +482,16 @@ def test_the_telemetry_parts_of_a_logging_step_share_one_all_reduce_and_publish_
         assert counts == [0, 1, 0, 1]  # one all-reduce at each logging step (2 and 4) for the three parts
         for step in (2, 4):
             start = events.index(("contributed", "sum", step))
-            assert events[start:start + 10] == [
-                ("contributed", "sum", step), ("contributed", "max", step), ("contributed", "gather", step),
+            assert events[start : start + 10] == [
+                ("contributed", "sum", step),
+                ("contributed", "max", step),
+                ("contributed", "gather", step),
                 ("finished", "sum", [1.0 + 2.0, 20.0]),  # summed over the ranks
                 ("finished", "max", [5.0, 7.0]),  # the largest of each
                 ("finished", "gather", [[0.0, 0.0], [1.0, -1.0]]),  # every rank's, by rank
-                ("then", "sum", step), ("then", "max", step), ("then", "gather", step),
+                ("then", "sum", step),
+                ("then", "max", step),
+                ("then", "gather", step),
                 ("published", step, float(step)),  # in callback_metrics before the callbacks after them run
             ]
 
@@ -493,10 +535,12 @@ def test_an_unknown_device_warns_naming_the_override_and_logs_no_mfu(monkeypatch
     with pytest.warns(UserWarning) as warned:
         last = _fit([Throughput(), CostMonitor()], steps=2).steps[-1]
     messages = "\n".join(str(w.message) for w in warned)
-    assert re.search(r"no dense peak FLOP/s is known for 'NVIDIA GeForce RTX 3090'.*Pass Throughput\(peak_flops=\.\.\.\)",
-                     messages), messages  # fmt: skip
-    assert re.search(r"no price is known for 'NVIDIA GeForce RTX 3090'.*Pass CostMonitor\(price_per_device_hour=",
-                     messages), messages  # fmt: skip
+    assert re.search(
+        r"no dense peak FLOP/s is known for 'NVIDIA GeForce RTX 3090'.*Pass Throughput\(peak_flops=\.\.\.\)", messages
+    ), messages
+    assert re.search(
+        r"no price is known for 'NVIDIA GeForce RTX 3090'.*Pass CostMonitor\(price_per_device_hour=", messages
+    ), messages
     assert "train/tokens_per_sec" in last and "train/mfu" not in last and "cost/usd" not in last
 
 
@@ -537,8 +581,11 @@ def test_a_model_without_flops_warns_naming_the_hook() -> None:
     [
         ({"window": 0}, r"window=0 must be a positive integer \(1 or more\)\. It counts optimizer steps\."),
         ({"peak_flops": -1.0}, r"peak_flops=-1.0 must be a positive number of FLOP/s per device"),
-        ({"recomputed_flops_per_token": -1.0}, r"recomputed_flops_per_token=-1.0 must be a number >= 0: the FLOPs "
-         r"per token that recomputing .* Pass None to have them counted"),
+        (
+            {"recomputed_flops_per_token": -1.0},
+            r"recomputed_flops_per_token=-1.0 must be a number >= 0: the FLOPs "
+            r"per token that recomputing .* Pass None to have them counted",
+        ),
     ],
 )
 def test_throughput_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -551,8 +598,11 @@ def test_checkpointed_blocks_whose_recomputation_was_not_counted_warn_naming_the
     throughput.facts = ModelFacts.of(GPTLightningModule(CONFIG))
     throughput.facts.checkpointed_blocks = (0, 1)
     throughput._warned_recomputed = False
-    with pytest.warns(UserWarning, match=r"wraps 2 blocks, but what their recomputation costs was not counted.*"
-                                         r"train/hfu is not logged\. Pass Throughput\(recomputed_flops_per_token=\.\.\.\)"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"wraps 2 blocks, but what their recomputation costs was not counted.*"
+        r"train/hfu is not logged\. Pass Throughput\(recomputed_flops_per_token=\.\.\.\)",
+    ):
         assert throughput._recomputed(SEQ) == 0.0
 
 
@@ -563,7 +613,9 @@ def test_young_and_daly_intervals() -> None:
     cost, mtbf = 60.0, 24 * 3600.0
     assert young_interval(cost, mtbf) == pytest.approx(math.sqrt(2 * 60 * 86400))
     ratio = cost / (2 * mtbf)
-    assert daly_interval(cost, mtbf) == pytest.approx(young_interval(cost, mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost)
+    assert daly_interval(cost, mtbf) == pytest.approx(
+        young_interval(cost, mtbf) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost
+    )
     assert daly_interval(100.0, 40.0) == 40.0  # a checkpoint costing more than two MTBFs: every MTBF
     with pytest.raises(ValueError, match=r"cost_s=-1 must be >= 0 and mtbf_s=1 > 0"):
         young_interval(-1, 1)
@@ -599,15 +651,18 @@ def test_one_hour_on_eight_devices_costs_eight_device_hours() -> None:
     assert metrics["cost/projected_hours"] == pytest.approx(3.0)
     assert "energy/kwh" not in metrics  # no power readings: no energy, never a guess
     meter.advance(seconds=3600.0, devices=8, tokens=0, joules=7.2e6)
-    assert meter.metrics(steps_done=0, max_steps=None, devices=8, seconds_per_step=None,
-                         grid_kg_co2_per_kwh=0.5)["energy/co2_kg"] == pytest.approx(1.0)  # fmt: skip
+    assert meter.metrics(steps_done=0, max_steps=None, devices=8, seconds_per_step=None, grid_kg_co2_per_kwh=0.5)[
+        "energy/co2_kg"
+    ] == pytest.approx(1.0)
 
 
 def test_cost_counts_every_device(two: list[dict[str, Any]]) -> None:
     for rank in two:
         # Readings at fit start, at the logging steps 2 and 4 and at the end: 2700 s on 2 devices at $3/h.
         assert rank["cost"]["cost/usd"] == pytest.approx(2700 / 3600 * 2 * 3.0)
-        assert rank["cost"]["cost/usd_per_1m_tokens"] == pytest.approx(rank["cost"]["cost/usd"] / (4 * BATCH * SEQ) * 1e6)
+        assert rank["cost"]["cost/usd_per_1m_tokens"] == pytest.approx(
+            rank["cost"]["cost/usd"] / (4 * BATCH * SEQ) * 1e6
+        )
         # Only rank 1 could read its energy: both ranks entered the energy all-reduce (or the fit would
         # have hung), and a partial sum is not reported as the job's energy.
         assert "energy/kwh" not in rank["cost"]
@@ -635,7 +690,9 @@ def test_prices_are_per_gpu_of_the_8_gpu_instances_after_the_2025_cut() -> None:
     for name in ("NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G", "Tesla T4"):  # rented singly: labelled so
         assert "1-GPU instance" in device_price(name).offer, name
     assert [p.offer.split(",")[0] for p in device_offers("NVIDIA H100 80GB HBM3")] == [
-        "AWS p5.48xlarge", "Lambda gpu_8x_h100_sxm5"]  # fmt: skip
+        "AWS p5.48xlarge",
+        "Lambda gpu_8x_h100_sxm5",
+    ]
 
 
 def test_a100_40gb_and_80gb_are_priced_apart_and_a_size_is_never_guessed() -> None:
@@ -643,8 +700,13 @@ def test_a100_40gb_and_80gb_are_priced_apart_and_a_size_is_never_guessed() -> No
     assert price_key("NVIDIA A100-SXM4-40GB") == price_key("NVIDIA A100-PCIE-40GB") == "A100 40GB"
     big, small = device_price("NVIDIA A100-SXM4-80GB"), device_price("NVIDIA A100-SXM4-40GB")
     assert big.usd_per_device_hour > small.usd_per_device_hour and "80GB" in big.offer and "40GB" in small.offer
-    assert device_price("Tesla V100-SXM2-32GB").usd_per_device_hour > device_price("Tesla V100-SXM2-16GB").usd_per_device_hour
-    assert price_key("NVIDIA A100") is None and device_price("NVIDIA A100") is None and device_offers("NVIDIA A100") == ()
+    assert (
+        device_price("Tesla V100-SXM2-32GB").usd_per_device_hour
+        > device_price("Tesla V100-SXM2-16GB").usd_per_device_hour
+    )
+    assert (
+        price_key("NVIDIA A100") is None and device_price("NVIDIA A100") is None and device_offers("NVIDIA A100") == ()
+    )
     assert price_key("NVIDIA H100 80GB HBM3") == "H100 SXM"  # priced by chip alone where memory does not differ
 
 
@@ -675,8 +737,12 @@ def test_cost_is_booked_per_device_hour_and_continues_after_resume(
     monkeypatch.setattr(_steps, "clock", FakeClock(600.0))  # ten simulated minutes per reading
     strategy = (lambda: HybridParallelStrategy()) if sharded else (lambda: "auto")
     save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=False)
-    logged = _fit([CostMonitor(price_per_device_hour=6.0, target_loss=100.0), save], steps=3,
-                  enable_checkpointing=True, strategy=strategy())  # fmt: skip
+    logged = _fit(
+        [CostMonitor(price_per_device_hour=6.0, target_loss=100.0), save],
+        steps=3,
+        enable_checkpointing=True,
+        strategy=strategy(),
+    )
     first = logged.steps[-1]
     # Readings: fit start, then one per step: 3 x 10 minutes on one device at $6/h.
     assert first["cost/usd"] == pytest.approx(3 * 600 / 3600 * 6.0)
@@ -686,9 +752,14 @@ def test_cost_is_booked_per_device_hour_and_continues_after_resume(
     assert "energy/kwh" not in first
     seed_everything(0, verbose=False)
     logged = Logged()
-    trainer = quiet_trainer(max_steps=4, strategy=strategy(), callbacks=[CostMonitor(price_per_device_hour=6.0), logged])
-    trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH),
-                ckpt_path=save.best_model_path or save.last_model_path)  # fmt: skip
+    trainer = quiet_trainer(
+        max_steps=4, strategy=strategy(), callbacks=[CostMonitor(price_per_device_hour=6.0), logged]
+    )
+    trainer.fit(
+        GPTLightningModule(CONFIG),
+        datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH),
+        ckpt_path=save.best_model_path or save.last_model_path,
+    )
     resumed = logged.steps[-1]
     # The saved total (3 steps and the save's reading) plus this run's start and one step.
     assert resumed["cost/usd"] > first["cost/usd"] + 600 / 3600 * 6.0
@@ -723,12 +794,15 @@ class Snapshots(Callback):
         self.after.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
 
 
-def _health_run(policy: str, tmp_path: Any, steps: int = 6, bad_step: int = 3) -> tuple[Any, NumericalHealth, Snapshots, list[str]]:
+def _health_run(
+    policy: str, tmp_path: Any, steps: int = 6, bad_step: int = 3
+) -> tuple[Any, NumericalHealth, Snapshots, list[str]]:
     seed_everything(0, verbose=False)
     health, snaps = NumericalHealth(policy, min_history=2), Snapshots()
     save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    trainer = quiet_trainer(max_steps=steps, strategy=HybridParallelStrategy(), enable_checkpointing=True,
-                            callbacks=[health, snaps, save])  # fmt: skip
+    trainer = quiet_trainer(
+        max_steps=steps, strategy=HybridParallelStrategy(), enable_checkpointing=True, callbacks=[health, snaps, save]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(NaNAt(bad_step), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
@@ -776,7 +850,9 @@ def test_health_needs_our_precision_plugin_and_valid_arguments() -> None:
     with pytest.raises(ValueError, match=r"min_history=1 must be an integer between 2 and window=100"):
         NumericalHealth(min_history=1)
     trainer = quiet_trainer(max_steps=1, callbacks=[NumericalHealth("skip")])
-    with pytest.raises(ValueError, match=r"precision plugin is .*Pass Trainer\(plugins=\[MixedPrecision\('32-true'\)\]\)"):
+    with pytest.raises(
+        ValueError, match=r"precision plugin is .*Pass Trainer\(plugins=\[MixedPrecision\('32-true'\)\]\)"
+    ):
         trainer.fit(GPTLightningModule(CONFIG), datamodule=TextDataModule(seq_len=SEQ, global_batch_size=BATCH))
 
 
@@ -831,8 +907,9 @@ def test_console_lines_show_the_figures_published_at_their_step_whatever_the_cal
     console = ConsoleLogger(every_n_steps=2, metrics=("train/tokens_per_sec",))
     checkpoint = ModelCheckpoint(dirpath=None, save_top_k=0)
     callbacks: list[Callback] = [console, checkpoint, Throughput(window=1, peak_flops=1e9)]
-    logged = _fit(group_callbacks(callbacks) if grouped else callbacks, steps=4, log_every_n_steps=2,
-                  enable_checkpointing=True)  # fmt: skip
+    logged = _fit(
+        group_callbacks(callbacks) if grouped else callbacks, steps=4, log_every_n_steps=2, enable_checkpointing=True
+    )
     printed = [float(x) for x in re.findall(r"train/tokens_per_sec ([\d.]+)", capsys.readouterr().out)]
     published = [logged.steps[step - 1]["train/tokens_per_sec"] for step in (2, 4)]
     assert printed == pytest.approx(published, abs=1e-4)
@@ -926,12 +1003,16 @@ def test_the_peak_is_measured_once_per_machine_and_recorded_for_the_study(tmp_pa
 
 
 def test_an_mfu_above_one_is_a_measurement_error_never_logged_as_utilisation() -> None:
-    with pytest.warns(UserWarning, match=r"x the peak of .* which is a measurement error, so train/mfu and train/hfu are not logged"):
+    with pytest.warns(
+        UserWarning, match=r"x the peak of .* which is a measurement error, so train/mfu and train/hfu are not logged"
+    ):
         last = _fit([Throughput(window=1, peak_flops=1.0, recomputed_flops_per_token=1e6)], steps=2).steps[-1]
     assert "train/mfu" not in last and "train/hfu" not in last
     # What is still logged is the model's own FLOPs at the measured rate (one device).
     assert last["train/tokens_per_sec"] > 0
-    assert last["train/achieved_tflops_per_device"] == pytest.approx(FLOPS_PER_TOKEN * last["train/tokens_per_sec"] / 1e12)
+    assert last["train/achieved_tflops_per_device"] == pytest.approx(
+        FLOPS_PER_TOKEN * last["train/tokens_per_sec"] / 1e12
+    )
 
 
 def test_padding_left_out_of_the_token_count_leaves_the_flops_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -956,7 +1037,9 @@ def test_memory_on_cpu_is_the_processs_resident_set() -> None:
 
     last = _fit([MemoryMonitor()], steps=2, log_every_n_steps=1).steps[-1]
     with open("/proc/self/status") as f:
-        status = {line.split(":")[0]: int(line.split()[1]) * 1024 / 2**30 for line in f if line.startswith(("VmRSS", "VmHWM"))}
+        status = {
+            line.split(":")[0]: int(line.split()[1]) * 1024 / 2**30 for line in f if line.startswith(("VmRSS", "VmHWM"))
+        }
     rss_now = status["VmRSS"]
     # getrusage's peak lags the resident set (it read below it under two test workers); the kernel's
     # high-water mark does not.
@@ -978,8 +1061,11 @@ def test_memory_on_a_gpu_is_the_intervals_peaks_and_the_allocators_retries(monke
     monitor = MemoryMonitor()
     monitor._device = torch.device("cuda", 0)
     assert monitor.read() == {
-        "memory/peak_allocated_gib": 3.0, "memory/peak_reserved_gib": 5.0, "memory/alloc_retries": 2.0, "memory/ooms": 1.0,
-    }  # fmt: skip
+        "memory/peak_allocated_gib": 3.0,
+        "memory/peak_reserved_gib": 5.0,
+        "memory/alloc_retries": 2.0,
+        "memory/ooms": 1.0,
+    }
     assert resets == [torch.device("cuda", 0)]  # the next interval starts from zero
 
 
@@ -1020,7 +1106,9 @@ class _WaitsPerStep(Callback):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["apart", "grouped"])
-def test_on_a_gpu_the_spans_are_cuda_event_times_read_only_at_logging_steps(monkeypatch: pytest.MonkeyPatch, grouped: bool) -> None:
+def test_on_a_gpu_the_spans_are_cuda_event_times_read_only_at_logging_steps(
+    monkeypatch: pytest.MonkeyPatch, grouped: bool
+) -> None:
     gpu = _GPUClock(tick=0.1)
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
     monkeypatch.setattr(_steps, "clock", FakeClock(5.0))  # the host's clock: must not be what is reported

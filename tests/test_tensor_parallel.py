@@ -47,7 +47,11 @@ def test_resolve_layout(world: int, kwargs: dict, expected: Layout) -> None:
 @pytest.mark.parametrize(
     ("world", "kwargs", "match"),
     [
-        (4, {"data_parallel": 2, "tensor_parallel": 4}, r"data_parallel=2 x pipeline_parallel=1 x tensor_parallel=4 = 8 processes, but this run has 4"),
+        (
+            4,
+            {"data_parallel": 2, "tensor_parallel": 4},
+            r"data_parallel=2 x pipeline_parallel=1 x tensor_parallel=4 = 8 processes, but this run has 4",
+        ),
         (6, {"tensor_parallel": 4}, r"tensor_parallel=4 = 4 does not divide the 6 processes.*\[1, 2, 3, 6\]"),
         (4, {"tensor_parallel": 0}, r"tensor_parallel=0 must be a positive integer or 'auto'"),
     ],
@@ -72,7 +76,10 @@ def test_strategy_is_registered_by_name() -> None:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (GPTConfig(n_heads=6, d_model=96, n_kv_heads=2), r"n_heads=6 is not divisible by tensor_parallel=4.*\[1, 2, 3, 6\]"),
+        (
+            GPTConfig(n_heads=6, d_model=96, n_kv_heads=2),
+            r"n_heads=6 is not divisible by tensor_parallel=4.*\[1, 2, 3, 6\]",
+        ),
         (GPTConfig(n_heads=4, n_kv_heads=1), r"n_kv_heads=1 is not divisible by tensor_parallel=4"),
         (GPTConfig(vocab_size=258), r"vocab_size=258 is not divisible by tensor_parallel=4"),
     ],
@@ -91,7 +98,9 @@ def test_plan_key_matching_nothing_lists_close_names() -> None:
 
 
 def test_plan_unknown_style_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown style 'column'. Use one of 'colwise', 'rowwise', 'sequence_parallel'"):
+    with pytest.raises(
+        ValueError, match=r"unknown style 'column'. Use one of 'colwise', 'rowwise', 'sequence_parallel'"
+    ):
         resolve_plan(GPT(CONFIG), {"head": "column"})
     with pytest.raises(TypeError, match=r"maps to int"):
         resolve_plan(GPT(CONFIG), {"head": 3})
@@ -100,7 +109,9 @@ def test_plan_unknown_style_lists_the_valid_ones() -> None:
 def test_plan_patterns_match_one_segment_and_expand() -> None:
     plan = resolve_plan(GPT(CONFIG), {"blocks.*.mlp.fc": "colwise", "head": "colwise"})
     assert sorted(plan) == ["blocks.0.mlp.fc", "blocks.1.mlp.fc", "head"]
-    with pytest.raises(ValueError, match=r"matched by tensor-parallel plan keys 'blocks.\*.mlp.fc' and 'blocks.0.mlp.fc'"):
+    with pytest.raises(
+        ValueError, match=r"matched by tensor-parallel plan keys 'blocks.\*.mlp.fc' and 'blocks.0.mlp.fc'"
+    ):
         resolve_plan(GPT(CONFIG), {"blocks.*.mlp.fc": "colwise", "blocks.0.mlp.fc": "rowwise"})
 
 
@@ -190,10 +201,17 @@ def _fit(
         blocks = module.net.blocks
     # Gathered on every rank (the strategy's own checkpoint path gathers to rank 0 only).
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return {"losses": record.losses, "grad_norms": record.grad_norms, "state": state, "block_numel": _local_numel(blocks)}
+    return {
+        "losses": record.losses,
+        "grad_norms": record.grad_norms,
+        "state": state,
+        "block_numel": _local_numel(blocks),
+    }
 
 
-def _hybrid(world: int, dp: int, tp: int, model: str, sp: bool = True, lp: bool = True, precision: str = "64-true") -> dict[str, Any]:
+def _hybrid(
+    world: int, dp: int, tp: int, model: str, sp: bool = True, lp: bool = True, precision: str = "64-true"
+) -> dict[str, Any]:
     strategy = HybridParallelStrategy(data_parallel=dp, tensor_parallel=tp, sequence_parallel=sp, loss_parallel=lp)
     return _fit(strategy, world, model, precision)
 

@@ -42,9 +42,15 @@ def _sequence(devices: int, kwargs: dict[str, Any] | None, ckpt: str | None = No
     if ckpt is not None:
         fit.save_checkpoint(ckpt)
     return {
-        "val": _trainer(devices, kwargs, limit_val_batches=2).validate(module, datamodule=data, verbose=False)[0]["val/loss"],
-        "test": _trainer(devices, kwargs, limit_test_batches=2).test(module, datamodule=data, verbose=False)[0]["test/loss"],
-        "predict": torch.cat(_trainer(devices, kwargs).predict(module, DataLoader(TensorDataset(TOKENS), batch_size=4))),
+        "val": _trainer(devices, kwargs, limit_val_batches=2).validate(module, datamodule=data, verbose=False)[0][
+            "val/loss"
+        ],
+        "test": _trainer(devices, kwargs, limit_test_batches=2).test(module, datamodule=data, verbose=False)[0][
+            "test/loss"
+        ],
+        "predict": torch.cat(
+            _trainer(devices, kwargs).predict(module, DataLoader(TensorDataset(TOKENS), batch_size=4))
+        ),
         "module": module,
     }
 
@@ -60,7 +66,9 @@ def _run(rank: int, world: int, kwargs: dict[str, Any], other: dict[str, Any], c
     result = _sequence(world, kwargs, ckpt)
     module = result.pop("module")
     try:  # the module is cut and wrapped for `kwargs`' layout: a Trainer at another refuses it
-        _trainer(world, other, limit_val_batches=1).validate(module, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+        _trainer(world, other, limit_val_batches=1).validate(
+            module, datamodule=TextDataModule(seq_len=16, global_batch_size=8)
+        )
         result["refused"] = "no error"
     except ValueError as err:
         result["refused"] = str(err)
@@ -70,7 +78,9 @@ def _run(rank: int, world: int, kwargs: dict[str, Any], other: dict[str, Any], c
     # A cut module stays copyable (StochasticWeightAveraging, torch.save); the copy cannot be set up.
     copied = copy.deepcopy(module)
     try:
-        _trainer(world, kwargs, limit_val_batches=1).validate(copied, datamodule=TextDataModule(seq_len=16, global_batch_size=8))
+        _trainer(world, kwargs, limit_val_batches=1).validate(
+            copied, datamodule=TextDataModule(seq_len=16, global_batch_size=8)
+        )
         result["copy"] = "no error"
     except ValueError as err:
         result["copy"] = str(err)
@@ -120,7 +130,9 @@ def test_only_settings_that_decide_the_cut_must_match_for_a_module_to_be_set_up_
     first = ParallelOptions(data_parallel=2, pipeline_parallel=2, microbatches=4, loss_name="{stage}_loss")
     # Sizes compare as resolved layouts; micro-batches and loss names may change between Trainers, and
     # so may options that do nothing at this layout (loss parallelism without tensor parallelism).
-    same = ParallelOptions(data_parallel="auto", pipeline_parallel=2, microbatches=8, loss_parallel=False, virtual_stages=3)
+    same = ParallelOptions(
+        data_parallel="auto", pipeline_parallel=2, microbatches=8, loss_parallel=False, virtual_stages=3
+    )
     assert first.structural_differences(same, layout) == []
     other = ParallelOptions(data_parallel=2, pipeline_parallel=2, schedule="gpipe", activation_checkpointing="full")
     expected = ["schedule='1f1b' vs 'gpipe'", "activation_checkpointing='none' vs 'full'"]

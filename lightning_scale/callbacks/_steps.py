@@ -13,8 +13,19 @@ from lightning.pytorch import Callback, Trainer
 from lightning_scale._lightning_compat import should_accumulate, should_update_logs
 from lightning_scale.core.telemetry.model_facts import batch_shape
 
-__all__ = ["READS", "CallbackSet", "Duration", "Step", "StepRecorder", "TrainClock", "clock", "each_callback",
-           "forget_logging_step", "should_log", "stamp"]  # fmt: skip
+__all__ = [
+    "READS",
+    "CallbackSet",
+    "Duration",
+    "Step",
+    "StepRecorder",
+    "TrainClock",
+    "clock",
+    "each_callback",
+    "forget_logging_step",
+    "should_log",
+    "stamp",
+]
 
 clock: Callable[[], float] = time.perf_counter
 """Every telemetry callback's clock (tests patch it)."""
@@ -60,8 +71,25 @@ class Step:
     """One training batch. Times are the recorder's :class:`TrainClock` readings (validation left out);
     ``edges`` the same edges as CUDA events when the recorder times on the GPU."""
 
-    __slots__ = ("accumulate", "after", "batch", "counted", "data", "edges", "end", "global_step", "index", "log",
-                 "optimizer", "samples", "seen", "seq_len", "start", "wait_from", "wall")  # fmt: skip
+    __slots__ = (
+        "accumulate",
+        "after",
+        "batch",
+        "counted",
+        "data",
+        "edges",
+        "end",
+        "global_step",
+        "index",
+        "log",
+        "optimizer",
+        "samples",
+        "seen",
+        "seq_len",
+        "start",
+        "wait_from",
+        "wall",
+    )
 
     def __init__(self, index: int, seen: bool, start: float | None) -> None:
         self.index = index
@@ -188,7 +216,9 @@ class StepRecorder:
             if isinstance(count, torch.Tensor):
                 count = int(count.item())  # one read of the batch's count; give an int to avoid it
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise TypeError(f"token_count returned {count!r}; it must return the batch's tokens as a non-negative int.")
+                raise TypeError(
+                    f"token_count returned {count!r}; it must return the batch's tokens as a non-negative int."
+                )
             step.counted = count
 
     def optimizer(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -27,9 +26,30 @@ from lightning_scale.callbacks._steps import (
 )
 from lightning_scale.core.telemetry.model_facts import ModelFacts
 
-__all__ = ["READS", "CallbackSet", "Duration", "Share", "SharedTelemetry", "Step", "StepRecorder", "TimedCallback", "TrainClock", "compute_dtype", "contribute",
-           "device_name", "each_callback", "forget_logging_step", "model_facts", "on_checkpoint_saved", "on_collective", "stamp", "publish", "reduce_sum", "replicas",
-           "should_log"]
+__all__ = [
+    "READS",
+    "CallbackSet",
+    "Duration",
+    "Share",
+    "SharedTelemetry",
+    "Step",
+    "StepRecorder",
+    "TimedCallback",
+    "TrainClock",
+    "compute_dtype",
+    "contribute",
+    "device_name",
+    "each_callback",
+    "forget_logging_step",
+    "model_facts",
+    "on_checkpoint_saved",
+    "on_collective",
+    "stamp",
+    "publish",
+    "reduce_sum",
+    "replicas",
+    "should_log",
+]
 
 _LISTENERS = "_lightning_scale_checkpoint_listeners"
 
@@ -96,8 +116,20 @@ def _on_cuda(args: tuple[Any, ...]) -> bool:
 
 
 _saving = 0  # saves in progress: their collectives are checkpoint time, not communication
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "gather", "scatter", "barrier", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 _collective_listeners: list[Callable[[Duration], None]] = []
 _originals: dict[str, Any] = {}
 _depth = 0
@@ -288,7 +320,9 @@ class SharedTelemetry(TimedCallback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         self._own.optimizer()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self.needs_steps():  # the logging-step check alone
             if should_log(trainer):
                 self.logging_step(trainer, pl_module)
@@ -350,21 +384,21 @@ def _reduce_round(trainer: Trainer, round_: _Round) -> None:
         # Sums and per-process numbers in one all-reduce: this process's in its own row of zeros.
         world, rank = dist.get_world_size(), dist.get_rank()
         flat = [*sums, *[0.0] * (world * len(own))]
-        flat[len(sums) + rank * len(own):len(sums) + (rank + 1) * len(own)] = own
+        flat[len(sums) + rank * len(own) : len(sums) + (rank + 1) * len(own)] = own
         flat = _all_reduce(trainer, flat)
     else:
         world, flat = 1, [*sums, *own]
-    rows = [flat[len(sums) + r * len(own):len(sums) + (r + 1) * len(own)] for r in range(world)]
+    rows = [flat[len(sums) + r * len(own) : len(sums) + (r + 1) * len(own)] for r in range(world)]
     metrics: dict[str, float] = {}
     prog_bar: list[str] = []
     at_sum = at_row = 0
     for part in parts:
         n = len(part.values)
         if part.op == "sum":
-            reduced: list[Any] = flat[at_sum:at_sum + n]
+            reduced: list[Any] = flat[at_sum : at_sum + n]
             at_sum += n
         else:
-            gathered = [row[at_row:at_row + n] for row in rows]
+            gathered = [row[at_row : at_row + n] for row in rows]
             at_row += n
             reduced = gathered if part.op == "gather" else [max(column) for column in zip(*gathered)]
         metrics.update(part.finish(reduced))

@@ -87,7 +87,10 @@ class CostMonitor(telemetry.SharedTelemetry):
         grid_kg_co2_per_kwh: float | None = None,
         batch_shape: Callable[[Any], tuple[int, int]] | None = None,
     ) -> None:
-        for name, value in (("price_per_device_hour", price_per_device_hour), ("grid_kg_co2_per_kwh", grid_kg_co2_per_kwh)):
+        for name, value in (
+            ("price_per_device_hour", price_per_device_hour),
+            ("grid_kg_co2_per_kwh", grid_kg_co2_per_kwh),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"{name}={value!r} must be a non-negative number (or None).")
         super().__init__()
@@ -142,8 +145,7 @@ class CostMonitor(telemetry.SharedTelemetry):
             )
             return None
         # Alternatives (other clouds) are shown, never used: the default is the documented one.
-        others = "".join(f"; also {o.offer}: ${o.usd_per_device_hour:.3f}/device-hour ({o.date})"
-                         for o in offers[1:])  # fmt: skip
+        others = "".join(f"; also {o.offer}: ${o.usd_per_device_hour:.3f}/device-hour ({o.date})" for o in offers[1:])
         rank_zero_info(
             f"CostMonitor: ${price.usd_per_device_hour:.3f}/device-hour x {self.multiplier} ({price.offer}, "
             f"{price.date}, {price.source}){others}."
@@ -186,7 +188,9 @@ class CostMonitor(telemetry.SharedTelemetry):
         if value is not None and float(value) <= self.target_loss:
             self.meter.reach_target(trainer.global_step)
 
-    def _finish_logging_step(self, trainer: Trainer, book: Callable[[list[float]], None], energy: list[float]) -> dict[str, float]:
+    def _finish_logging_step(
+        self, trainer: Trainer, book: Callable[[list[float]], None], energy: list[float]
+    ) -> dict[str, float]:
         book(energy)
         self._check_target(trainer)
         return self._metrics(trainer)
@@ -208,8 +212,13 @@ class CostMonitor(telemetry.SharedTelemetry):
     @override
     def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         energy, book = self._advance(trainer)
-        telemetry.contribute(trainer, self, telemetry.Share(
-            energy, "sum", lambda summed: self._finish_logging_step(trainer, book, summed), prog_bar=("cost/usd",)))  # fmt: skip
+        telemetry.contribute(
+            trainer,
+            self,
+            telemetry.Share(
+                energy, "sum", lambda summed: self._finish_logging_step(trainer, book, summed), prog_bar=("cost/usd",)
+            ),
+        )
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

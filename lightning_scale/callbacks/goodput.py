@@ -21,11 +21,17 @@ from lightning_scale.plugins.checkpoint_io import restarted
 __all__ = ["GOODPUT_METRICS", "GoodputMonitor"]
 
 GOODPUT_METRICS = {
-    "goodput/goodput": "goodput", "goodput/productive_s": "productive_s", "goodput/lost_s": "lost_s",
-    "goodput/checkpoint_s": "checkpoint_s", "goodput/startup_s": "startup_s", "goodput/restart_s": "restart_s",
-    "goodput/rendezvous_s": "rendezvous_s", "goodput/hang_detection_s": "hang_detection_s", "goodput/mttr_s": "mttr_s",
+    "goodput/goodput": "goodput",
+    "goodput/productive_s": "productive_s",
+    "goodput/lost_s": "lost_s",
+    "goodput/checkpoint_s": "checkpoint_s",
+    "goodput/startup_s": "startup_s",
+    "goodput/restart_s": "restart_s",
+    "goodput/rendezvous_s": "rendezvous_s",
+    "goodput/hang_detection_s": "hang_detection_s",
+    "goodput/mttr_s": "mttr_s",
     "goodput/interruptions": "interruptions",
-}  # fmt: skip
+}
 """The metrics logged, each a :class:`~lightning_scale.core.resilience.goodput.GoodputSummary` field."""
 
 _fits_in_process = 0  # the first fit of a process counts its start-up from the process's start
@@ -57,8 +63,9 @@ class GoodputMonitor(telemetry.SharedTelemetry):
     def __init__(self, dirpath: str | os.PathLike | None = None, *, progress_s: float = 1.0) -> None:
         super().__init__()
         self.dirpath = dirpath
-        self.progress_s = check_positive_number("progress_s", progress_s, unit="seconds",
-                                                fix="It is how often the attempt's last sign of life is written.")  # fmt: skip
+        self.progress_s = check_positive_number(
+            "progress_s", progress_s, unit="seconds", fix="It is how often the attempt's last sign of life is written."
+        )
         self._created = time.time()
         self._root: Path | None = None
         self._ledger = Ledger()
@@ -81,11 +88,20 @@ class GoodputMonitor(telemetry.SharedTelemetry):
         resumed, commit = _resumed(trainer)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self._attempt = f"{os.getpid()}-{time.time_ns() // 1_000_000}"
-        self._event("start", time=started, step=trainer.global_step, relaunch=restarted(),
-                    resumed_step=trainer.global_step if resumed or trainer.global_step > 0 else None,
-                    resumed_commit=commit, restart_count=restarts, pid=os.getpid())  # fmt: skip
+        self._event(
+            "start",
+            time=started,
+            step=trainer.global_step,
+            relaunch=restarted(),
+            resumed_step=trainer.global_step if resumed or trainer.global_step > 0 else None,
+            resumed_commit=commit,
+            restart_count=restarts,
+            pid=os.getpid(),
+        )
         # The writer's thread reads the step itself: nothing per training step here.
-        self._progress = ProgressWriter(self._root, self._attempt, step=lambda: trainer.global_step, period_s=self.progress_s)
+        self._progress = ProgressWriter(
+            self._root, self._attempt, step=lambda: trainer.global_step, period_s=self.progress_s
+        )
         self._progress.start()
         self._first_pending = True
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, lambda seconds: self._saved(trainer, seconds)))
@@ -100,8 +116,11 @@ class GoodputMonitor(telemetry.SharedTelemetry):
         if self._first_pending and steps:
             self._first_pending = False
             first = steps[0]
-            self._event("first_step", time=first.wall if first.wall is not None else time.time(),
-                        step=first.global_step if first.global_step is not None else trainer.global_step)  # fmt: skip
+            self._event(
+                "first_step",
+                time=first.wall if first.wall is not None else time.time(),
+                step=first.global_step if first.global_step is not None else trainer.global_step,
+            )
 
     @override
     def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:

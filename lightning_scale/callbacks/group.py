@@ -41,8 +41,19 @@ validation's start and ``teardown``): the steps recorded so far are folded first
 _MOST_PENDING = 64
 """Steps recorded before the members fold them even without a logging step (the records are not kept long)."""
 
-APART = (Checkpoint, EarlyStopping, ProgressBar, ModelSummary, Timer, BatchSizeFinder, LearningRateFinder,
-         BasePredictionWriter, GradientAccumulationScheduler, PreemptionCheckpoint, HangWatchdog)  # fmt: skip
+APART = (
+    Checkpoint,
+    EarlyStopping,
+    ProgressBar,
+    ModelSummary,
+    Timer,
+    BatchSizeFinder,
+    LearningRateFinder,
+    BasePredictionWriter,
+    GradientAccumulationScheduler,
+    PreemptionCheckpoint,
+    HangWatchdog,
+)
 """Callbacks that Lightning or this package find by type in ``trainer.callbacks`` (or call at times of their own):
 they cannot be in a group."""
 
@@ -82,7 +93,9 @@ class CallbackGroup(CallbackSet):
             if isinstance(callback, CallbackGroup):
                 members += callback.callbacks
             elif not isinstance(callback, Callback):
-                raise TypeError(f"CallbackGroup takes Lightning callbacks; got {callback!r} ({type(callback).__name__}).")
+                raise TypeError(
+                    f"CallbackGroup takes Lightning callbacks; got {callback!r} ({type(callback).__name__})."
+                )
             elif isinstance(callback, APART):
                 raise TypeError(
                     f"{type(callback).__name__} cannot be in a CallbackGroup: Lightning or lightning-scale look it up by "
@@ -98,9 +111,13 @@ class CallbackGroup(CallbackSet):
                 "them apart. Give them distinct state keys, or keep one of each."
             )
         if not isinstance(name, str) or not name:
-            raise ValueError(f"CallbackGroup(name={name!r}) must be a non-empty string: it names the group's checkpoint state.")
+            raise ValueError(
+                f"CallbackGroup(name={name!r}) must be a non-empty string: it names the group's checkpoint state."
+            )
         # A console prints what the others published at the step: it goes last.
-        self.callbacks = [m for m in members if not isinstance(m, ConsoleLogger)] + [m for m in members if isinstance(m, ConsoleLogger)]
+        self.callbacks = [m for m in members if not isinstance(m, ConsoleLogger)] + [
+            m for m in members if isinstance(m, ConsoleLogger)
+        ]
         self.name = name
         self._recorder = StepRecorder()
         self._context: tuple[Trainer, LightningModule] | None = None
@@ -119,16 +136,24 @@ class CallbackGroup(CallbackSet):
                 return False
             return _defines(member, hook)
 
-        self._hooks: dict[str, list[Any]] = {hook: [getattr(m, hook) for m in self.callbacks if calls(m, hook)] for hook in HOOKS}
+        self._hooks: dict[str, list[Any]] = {
+            hook: [getattr(m, hook) for m in self.callbacks if calls(m, hook)] for hook in HOOKS
+        }
         # At a logging step's end, in the members' order: each shared member's logging step, the others' batch end.
-        self._logging_end = [(m.logging_step, True) if m in shared else (m.on_train_batch_end, False)
-                             for m in self.callbacks if m in shared or calls(m, "on_train_batch_end")]  # fmt: skip
+        self._logging_end = [
+            (m.logging_step, True) if m in shared else (m.on_train_batch_end, False)
+            for m in self.callbacks
+            if m in shared or calls(m, "on_train_batch_end")
+        ]
         self._shared = shared
         self._pending: list[Any] = []
         if shared and trainer is not None:
             options = [m.record_options(trainer) for m in shared]
-            self._recorder.reset(cuda=any(o["cuda"] for o in options), sizes=any(o["sizes"] for o in options),
-                                 reads={r for o in options for r in o["reads"]})  # fmt: skip
+            self._recorder.reset(
+                cuda=any(o["cuda"] for o in options),
+                sizes=any(o["sizes"] for o in options),
+                reads={r for o in options for r in o["reads"]},
+            )
 
     @property
     def state_key(self) -> str:
@@ -167,7 +192,9 @@ class CallbackGroup(CallbackSet):
         for method in self._hooks["on_before_optimizer_step"]:
             method(trainer, pl_module, optimizer)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._shared:
             for method in self._hooks["on_train_batch_end"]:
                 method(trainer, pl_module, outputs, batch, batch_idx)
@@ -230,7 +257,9 @@ class CallbackGroup(CallbackSet):
                 by_key[key].load_state_dict(copy.deepcopy(state))
         unknown = sorted(set(states) - set(by_key))
         if unknown:
-            rank_zero_warn(f"CallbackGroup {self.name!r}: the checkpoint holds the state of {unknown}, which are not in the group; it is not loaded.")
+            rank_zero_warn(
+                f"CallbackGroup {self.name!r}: the checkpoint holds the state of {unknown}, which are not in the group; it is not loaded."
+            )
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         for method in self._hooks["on_load_checkpoint"]:

@@ -123,7 +123,9 @@ class NumericalHealth(Callback):
         action = self.policy
         if action == "rollback":
             self._rollback_to = self._checkpoint(trainer)
-            action = f"rollback to {self._rollback_to}" if self._rollback_to else "skip (no checkpoint to roll back to yet)"
+            action = (
+                f"rollback to {self._rollback_to}" if self._rollback_to else "skip (no checkpoint to roll back to yet)"
+            )
         self.events.append((step, verdict.reason, action))
         rank_zero_warn(f"NumericalHealth at global step {step}: {verdict.reason}; policy {self.policy!r}: {action}.")
         if self.policy == "warn":
@@ -161,8 +163,12 @@ class NumericalHealth(Callback):
         roots = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         if hasattr(io, "latest"):
             return io.latest(roots)
-        files = [Path(p) for cb in trainer.checkpoint_callbacks
-                 for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")) if p]  # fmt: skip
+        files = [
+            Path(p)
+            for cb in trainer.checkpoint_callbacks
+            for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""))
+            if p
+        ]
         files = [f for f in files if f.exists()]
         return max(files, key=lambda f: f.stat().st_mtime) if files else None
 
@@ -175,8 +181,12 @@ class NumericalHealth(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"detector": self.detector.state_dict(), "skipped": self.skipped, "rollbacks": self.rollbacks,
-                "anomalies": len(self.events)}  # fmt: skip
+        return {
+            "detector": self.detector.state_dict(),
+            "skipped": self.skipped,
+            "rollbacks": self.rollbacks,
+            "anomalies": len(self.events),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

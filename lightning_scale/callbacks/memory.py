@@ -55,7 +55,9 @@ class MemoryMonitor(telemetry.SharedTelemetry):
     @override
     def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         mine = self.read()
-        telemetry.contribute(trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top))))
+        telemetry.contribute(
+            trainer, self, telemetry.Share(list(mine.values()), "max", lambda top: dict(zip(mine, top)))
+        )
 
     def read(self) -> dict[str, float]:
         """This process's figures (see the class doc)."""

@@ -134,7 +134,9 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
     @override
     def logging_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every process contributes to the logging step's reduction.
-        telemetry.contribute(trainer, self, telemetry.Share(self._take(), "sum", lambda totals: self._metrics(trainer, totals)))
+        telemetry.contribute(
+            trainer, self, telemetry.Share(self._take(), "sum", lambda totals: self._metrics(trainer, totals))
+        )
 
     def _take(self) -> list[float]:
         """This process's sums since the last logging step (and its pipeline stage's times), and a new start."""
@@ -168,12 +170,13 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
                 runner.schedule_name, pp, runner.microbatches, runner.num_stages // pp
             )
             ranks_per_stage = world / pp
-            stage_totals = totals[len(_PARTS) + 3:]
+            stage_totals = totals[len(_PARTS) + 3 :]
             for k in range(pp):
                 out[f"pipeline/stage{k}/compute"] = stage_totals[2 * k] / ranks_per_stage / steps
                 out[f"pipeline/stage{k}/idle"] = stage_totals[2 * k + 1] / ranks_per_stage / steps
-        out["train/step_time/total"] = sum(out[f"train/step_time/{p}"] for p in (*_PARTS, "bubble") if
-                                           f"train/step_time/{p}" in out)  # fmt: skip
+        out["train/step_time/total"] = sum(
+            out[f"train/step_time/{p}"] for p in (*_PARTS, "bubble") if f"train/step_time/{p}" in out
+        )
         # layout="auto": the planner's figures for the layout it chose, beside the measured ones.
         chosen = getattr(getattr(trainer.strategy, "auto_layout", None), "chosen", None)
         return out | (chosen.metrics() if chosen is not None else {})

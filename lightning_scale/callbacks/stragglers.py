@@ -159,8 +159,11 @@ class StragglerMonitor(telemetry.SharedTelemetry):
         local = self._local + (self._timer.take()[1] if self._timer is not None else 0.0)
         mine = [local / max(1, self._steps), _probe(trainer.strategy.root_device) if self.probe else 0.0]
         self._local, self._steps = 0.0, 0
-        telemetry.contribute(trainer, self, telemetry.Share(
-            mine, "gather", lambda times: self._judge(trainer, times), then=lambda: self._act(trainer)))  # fmt: skip
+        telemetry.contribute(
+            trainer,
+            self,
+            telemetry.Share(mine, "gather", lambda times: self._judge(trainer, times), then=lambda: self._act(trainer)),
+        )
 
     def _act(self, trainer: Trainer) -> None:
         """After the logging step's metrics: the restart, when due; the wait for the next batch starts after the
@@ -188,12 +191,16 @@ class StragglerMonitor(telemetry.SharedTelemetry):
                 if ratio > self.factor:
                     self.flagged.append((trainer.global_step, r, self._host(r), ratio))
                     self._last_ratios[r] = max(ratio, self._last_ratios.get(r, 0.0))
-                    slow[r] = slow.get(r, "") + f"{'; ' if r in slow else ''}{name} {ratio:.2f}x the median " \
-                                               f"({value * 1e3:.1f} ms vs {median * 1e3:.1f} ms)"
+                    slow[r] = (
+                        slow.get(r, "") + f"{'; ' if r in slow else ''}{name} {ratio:.2f}x the median "
+                        f"({value * 1e3:.1f} ms vs {median * 1e3:.1f} ms)"
+                    )
         if slow:
             rank_zero_warn(
                 f"StragglerMonitor at step {trainer.global_step}: "
-                + ", ".join(f"rank {r} on {self._host(r)}: {why}{self._countdown(r)}" for r, why in sorted(slow.items()))
+                + ", ".join(
+                    f"rank {r} on {self._host(r)}: {why}{self._countdown(r)}" for r, why in sorted(slow.items())
+                )
             )
         return {"stragglers/count": float(len(slow)), "stragglers/max_ratio": worst}
 
@@ -203,7 +210,9 @@ class StragglerMonitor(telemetry.SharedTelemetry):
     def _countdown(self, rank: int) -> str:
         if self.action != "restart":
             return ""
-        return f" (slow interval {self.streaks.count(rank) + 1} of {self.patience} in a row before a restart without it)"
+        return (
+            f" (slow interval {self.streaks.count(rank) + 1} of {self.patience} in a row before a restart without it)"
+        )
 
     def _restart(self, trainer: Trainer, due: dict[int, list[float]]) -> None:
         """Every rank: commit this step's checkpoint; rank 0: write ``stragglers/exclude.json``; all: exit."""
@@ -217,16 +226,23 @@ class StragglerMonitor(telemetry.SharedTelemetry):
         directory = Path(trainer.default_root_dir) / "stragglers"
         if trainer.is_global_zero:
             event = {
-                "event": "straggler", "step": trainer.global_step, "exit_code": STRAGGLER_EXIT_CODE,
-                "checkpoint": str(path), "factor": self.factor, "patience": self.patience,
-                "log_every_n_steps": trainer.log_every_n_steps, "world_size": trainer.world_size,
+                "event": "straggler",
+                "step": trainer.global_step,
+                "exit_code": STRAGGLER_EXIT_CODE,
+                "checkpoint": str(path),
+                "factor": self.factor,
+                "patience": self.patience,
+                "log_every_n_steps": trainer.log_every_n_steps,
+                "world_size": trainer.world_size,
                 "stragglers": [{"rank": r, "host": self._host(r), "ratios": ratios} for r, ratios in due.items()],
-            }  # fmt: skip
+            }
             try:
                 record = record_exclusion(directory, event, [self._host(r) for r in due])
                 excluded = f"{directory / 'exclude.json'} excludes {', '.join(record['exclude'])}"
             except OSError as err:  # the checkpoint is committed: exit all the same, saying what is missing
                 excluded = f"cannot write {directory / 'exclude.json'} ({err}): exclude {who} by hand"
-            rank_zero_warn(f"StragglerMonitor: checkpoint {path} committed; {excluded}. Exiting with status {STRAGGLER_EXIT_CODE}.")
+            rank_zero_warn(
+                f"StragglerMonitor: checkpoint {path} committed; {excluded}. Exiting with status {STRAGGLER_EXIT_CODE}."
+            )
         trainer.strategy.barrier("StragglerMonitor")  # the record is written before any process goes
         raise StragglerRestart(STRAGGLER_EXIT_CODE)

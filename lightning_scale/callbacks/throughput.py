@@ -129,7 +129,9 @@ class Throughput(telemetry.SharedTelemetry):
         dtype, name = telemetry.compute_dtype(trainer), telemetry.device_name(trainer)
         if name == "cpu":
             path = self.peak_file if self.peak_file is not None else os.environ.get(PEAK_FILE_ENV)
-            recorded, _ = recorded_peak(path, key=machine_key(dtype, trainer.num_devices), measure=lambda: measured_peak(dtype))
+            recorded, _ = recorded_peak(
+                path, key=machine_key(dtype, trainer.num_devices), measure=lambda: measured_peak(dtype)
+            )
             rank_zero_info(
                 f"Throughput: a CPU has no datasheet peak; MFU is against {recorded / 1e9:.1f} GFLOP/s per process, "
                 f"the median of repeated {dtype} matmuls (train/peak_flops_measured)"
@@ -197,10 +199,16 @@ class Throughput(telemetry.SharedTelemetry):
         (start, *first), (end, *last) = self._marks[0], self._marks[-1]
         window = [b - a for a, b in zip(first, last)]
         seconds, batches = end - start, len(self._marks) - 1
-        telemetry.contribute(trainer, self, telemetry.Share(
-            [*window, *self._totals[:2]], "sum", lambda reduced: self._metrics(trainer, reduced, seconds, batches),
-            prog_bar=("train/tokens_per_sec", "train/mfu"),
-        ))  # fmt: skip
+        telemetry.contribute(
+            trainer,
+            self,
+            telemetry.Share(
+                [*window, *self._totals[:2]],
+                "sum",
+                lambda reduced: self._metrics(trainer, reduced, seconds, batches),
+                prog_bar=("train/tokens_per_sec", "train/mfu"),
+            ),
+        )
 
     def _flops_at(self, pl_module: LightningModule, batch: Any, seq_len: int) -> tuple[float, float]:
         """Model and recomputed FLOPs per token at ``seq_len`` (0.0 where unknown, with a warning)."""
@@ -247,9 +255,12 @@ class Throughput(telemetry.SharedTelemetry):
                     rank_zero_warn(
                         f"Throughput: the model ran at {mfu:.2f}x the peak of {self._peak / 1e12:.4g} TFLOP/s per device, "
                         "which is a measurement error, so train/mfu and train/hfu are not logged: "
-                        + ("the CPU peak was measured low (a busy machine?); pass Throughput(peak_flops=...) or delete the "
-                           "recorded peak to measure again." if self._measured_peak else
-                           "check peak_flops and the model's FLOPs per token.")
+                        + (
+                            "the CPU peak was measured low (a busy machine?); pass Throughput(peak_flops=...) or delete the "
+                            "recorded peak to measure again."
+                            if self._measured_peak
+                            else "check peak_flops and the model's FLOPs per token."
+                        )
                     )
                 return out
             out["train/mfu"] = mfu

@@ -85,7 +85,9 @@ def inspect(path: AnyPath, *, tensors: bool = False) -> dict[str, Any]:
         entry = kinds.setdefault(kind, {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += size
-        listing.append({"key": key, "shape": list(meta.size), "dtype": str(meta.properties.dtype).removeprefix("torch.")})
+        listing.append(
+            {"key": key, "shape": list(meta.size), "dtype": str(meta.properties.dtype).removeprefix("torch.")}
+        )
     info = {
         "path": str(path),
         "global_step": manifest.get("global_step"),
@@ -158,11 +160,17 @@ def consolidate(path: AnyPath, out: Path, *, dtype: str | None = None, hf: bool 
     plan = []
     for key, name in items:
         meta = saved[key]
-        target = _CAST[dtype] if dtype is not None and meta.properties.dtype.is_floating_point else meta.properties.dtype
+        target = (
+            _CAST[dtype] if dtype is not None and meta.properties.dtype.is_floating_point else meta.properties.dtype
+        )
         if target not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{key} is {target}, which safetensors cannot store.")
         size = _numel(meta.size) * target.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[target], "shape": list(meta.size), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[target],
+            "shape": list(meta.size),
+            "data_offsets": [offset, offset + size],
+        }
         plan.append((key, target, size))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()

@@ -213,7 +213,11 @@ def watch_parent(interval_s: float = 0.5) -> None:
     except OSError:
         launcher = b""
     if b"torch.distributed.run" not in launcher and b"torchrun" not in launcher:
-        print(f"[sweep] rank {global_rank()}: the job's launcher is gone (parent {parent}); exiting", file=sys.stderr, flush=True)
+        print(
+            f"[sweep] rank {global_rank()}: the job's launcher is gone (parent {parent}); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
     if die_with_parent(parent):
         return
@@ -222,7 +226,11 @@ def watch_parent(interval_s: float = 0.5) -> None:
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
-                print(f"[sweep] rank {global_rank()}: the job's launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+                print(
+                    f"[sweep] rank {global_rank()}: the job's launcher (pid {parent}) is gone; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
 
     threading.Thread(target=watch, name="lightning-scale-orphan-watch", daemon=True).start()

@@ -103,8 +103,12 @@ def layout_of(cfg: Mapping[str, Any], strategy_choice: str | None = None) -> dic
         prefix = "dp" if mode == "ddp" else mode
         return {
             "name": f"{prefix}{layout.dp}-tp{layout.tp}-pp{layout.pp}",
-            "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "mode": mode, "world_size": world,
-        }  # fmt: skip
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "mode": mode,
+            "world_size": world,
+        }
     name = strategy_choice or target.rsplit(".", 1)[-1].removesuffix("Strategy").lower() or "single"
     return {"name": f"{name}-x{world}", "dp": world, "tp": 1, "pp": 1, "mode": name, "world_size": world}
 
@@ -204,7 +208,6 @@ def check_fits(cfg: DictConfig) -> None:
             f"trainer.num_nodes={trainer.num_nodes} needs that many machines: run the sweep with "
             "hydra/launcher=submitit_slurm (srun starts every rank)."
         )
-
 
 
 def job_info(cfg: DictConfig) -> dict[str, Any]:

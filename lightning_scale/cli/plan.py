@@ -58,13 +58,19 @@ def _priced(system: Cluster, price: Any) -> Cluster:
     offers = OFFERS.get(system.device.price_key or "", ())
     if isinstance(price, (int, float)) and not isinstance(price, bool):
         if price <= 0:
-            raise ValueError(f"plan.price={price!r}: a price is a positive number of dollars per device-hour, or an offer's name.")
-        return replace(system, price=Price(system.device.price_key or system.device.name, float(price), "plan.price", "-", "given"))
+            raise ValueError(
+                f"plan.price={price!r}: a price is a positive number of dollars per device-hour, or an offer's name."
+            )
+        return replace(
+            system, price=Price(system.device.price_key or system.device.name, float(price), "plan.price", "-", "given")
+        )
     named = {offer_name(o): o for o in offers}
     if str(price) not in named:
         known = format_choices(named) if named else f"none for {system.device.name}"
-        raise ValueError(f"plan.price={price!r} is not an offer of the price table for {system.device.name} (offers: {known}); "
-                         "or give dollars per device-hour (plan.price=4.5).")  # fmt: skip
+        raise ValueError(
+            f"plan.price={price!r} is not an offer of the price table for {system.device.name} (offers: {known}); "
+            "or give dollars per device-hour (plan.price=4.5)."
+        )
     return replace(system, price=named[str(price)])
 
 
@@ -84,14 +90,26 @@ def plan_from_config(cfg: DictConfig) -> tuple[list[Estimate], dict[str, Any]]:
     """The ranked estimates for a composed config, and what they were computed from."""
     shape, workload, system = _setup(cfg)
     budget = cfg.plan.token_budget
-    ranked = plan(shape, workload, system, headroom=float(cfg.plan.headroom), token_budget=float(budget) if budget else None)
+    ranked = plan(
+        shape, workload, system, headroom=float(cfg.plan.headroom), token_budget=float(budget) if budget else None
+    )
     inputs = {
-        "model": shape.name, "parameters": shape.parameters, "cluster": system.name, "device": system.device.name,
-        "devices": system.world_size, "device_memory": system.device.memory, "devices_per_node": system.devices_per_node, "nodes": system.nodes,
-        "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
-        "efficiency": system.efficiency.source, "headroom": float(cfg.plan.headroom), "token_budget": budget,
+        "model": shape.name,
+        "parameters": shape.parameters,
+        "cluster": system.name,
+        "device": system.device.name,
+        "devices": system.world_size,
+        "device_memory": system.device.memory,
+        "devices_per_node": system.devices_per_node,
+        "nodes": system.nodes,
+        "global_batch": workload.global_batch,
+        "seq_len": workload.seq_len,
+        "precision": workload.precision,
+        "efficiency": system.efficiency.source,
+        "headroom": float(cfg.plan.headroom),
+        "token_budget": budget,
         "price": _price_line(system),
-    }  # fmt: skip
+    }
     return ranked, inputs
 
 
@@ -121,8 +139,10 @@ def table(ranked: Sequence[Estimate], top: int) -> str:
             f"{e.tokens_per_sec:11,.0f} {e.mfu:6.1%} {_money(e.usd_per_million_tokens):>9s} {hours:>8s} {_money(e.usd_to_budget):>12s}"
         )
     if planned_only:
-        lines.append("  * planned only: context parallelism (cp) and float8 linears (fp8) are not trained by "
-                     "HybridParallelStrategy yet; strategy=auto never chooses them")  # fmt: skip
+        lines.append(
+            "  * planned only: context parallelism (cp) and float8 linears (fp8) are not trained by "
+            "HybridParallelStrategy yet; strategy=auto never chooses them"
+        )
     return "\n".join(lines)
 
 
@@ -147,24 +167,33 @@ def explain(estimate: Estimate) -> str:
     """Every memory and time term of one layout, each with the inputs it was computed from (bytes moved,
     which link and at what achieved bandwidth, the rates, the overlap assumed, the micro-batches in flight)."""
     c = estimate.candidate
-    lines = [f"{estimate.name}: dp={c.dp} ({c.dp_mode}) x tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} "
-             f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
-             f"activation checkpointing {c.checkpointing}"
-             + (f", context parallel {c.cp}" if c.cp > 1 else "") + (", float8 linears" if c.float8 else "")
-             + ("" if c.trainable else " (planned only: the strategy cannot train it yet)")]  # fmt: skip
-    lines.append(f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "
-                 f"({'fits' if estimate.fits else 'does not fit'})")  # fmt: skip
+    lines = [
+        f"{estimate.name}: dp={c.dp} ({c.dp_mode}) x tp={c.tp}{' (sequence parallel)' if c.sequence_parallel else ''} "
+        f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
+        f"activation checkpointing {c.checkpointing}"
+        + (f", context parallel {c.cp}" if c.cp > 1 else "")
+        + (", float8 linears" if c.float8 else "")
+        + ("" if c.trainable else " (planned only: the strategy cannot train it yet)")
+    ]
+    lines.append(
+        f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "
+        f"({'fits' if estimate.fits else 'does not fit'})"
+    )
     lines += [f"  {k:18s} {v / GiB:10.3f} GiB" for k, v in estimate.memory.terms.items()]
     lines.append("  from: " + ", ".join(f"{k}={_value(k, v)}" for k, v in estimate.memory.inputs.items()))
-    lines.append(f"step time: {estimate.time.step_time:.4f} s (peak {_value('peak_flops', estimate.time.inputs['peak_flops'])} "
-                 "per device)")  # fmt: skip
+    lines.append(
+        f"step time: {estimate.time.step_time:.4f} s (peak {_value('peak_flops', estimate.time.inputs['peak_flops'])} "
+        "per device)"
+    )
     for term, seconds in estimate.time.terms.items():
         lines.append(f"  {term:18s} {seconds:10.4f} s")
         detail = estimate.time.details.get(term)
         if detail and seconds > 0:
             lines.append("      from: " + ", ".join(f"{k}={_value(k, v)}" for k, v in detail.items()))
-    lines.append(f"tokens/s {estimate.tokens_per_sec:,.0f}, MFU {estimate.mfu:.1%}, "
-                 f"$ per million tokens {_money(estimate.usd_per_million_tokens)}")  # fmt: skip
+    lines.append(
+        f"tokens/s {estimate.tokens_per_sec:,.0f}, MFU {estimate.mfu:.1%}, "
+        f"$ per million tokens {_money(estimate.usd_per_million_tokens)}"
+    )
     return "\n".join(lines)
 
 
@@ -203,14 +232,23 @@ def _plot(ranked: Sequence[Estimate], path: Path) -> None:
             if e.usd_to_budget is not None and e.usd_to_budget < best:
                 front.append(e)
                 best = e.usd_to_budget
-        cost.plot([e.hours_to_budget for e in front], [e.usd_to_budget for e in front], "r-o", ms=3, label="Pareto front")
+        cost.plot(
+            [e.hours_to_budget for e in front], [e.usd_to_budget for e in front], "r-o", ms=3, label="Pareto front"
+        )
         cost.set(xlabel="hours to the token budget", ylabel="$ to the token budget", title="cost against time")
         cost.legend(loc="upper right")
     else:
         cost.text(0.5, 0.5, "no price or no plan.token_budget", ha="center", va="center", transform=cost.transAxes)
-    memory.scatter([e.time.step_time for e in ranked], [e.memory.total / GiB for e in ranked], s=8, alpha=0.4,
-                   c=["tab:green" if e.fits else "tab:red" for e in ranked])  # fmt: skip
-    memory.set(xlabel="step time (s)", ylabel="memory per device (GiB)", title="memory against step time (red: does not fit)")
+    memory.scatter(
+        [e.time.step_time for e in ranked],
+        [e.memory.total / GiB for e in ranked],
+        s=8,
+        alpha=0.4,
+        c=["tab:green" if e.fits else "tab:red" for e in ranked],
+    )
+    memory.set(
+        xlabel="step time (s)", ylabel="memory per device (GiB)", title="memory against step time (red: does not fit)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -226,30 +264,50 @@ def run(cfg: DictConfig) -> int:
         # A budget query: the model and tokens it buys, and their best layout (not a table of the config's model).
         _, workload, system = _setup(cfg)
         law = law_named(str(cfg.plan.law), list(cfg.plan.fit_studies or []))
-        print(f"lightning-scale-plan: what a budget buys on {system.world_size} x {system.device.name} "
-              f"({system.nodes} node(s)), global batch {workload.global_batch} x {workload.seq_len} tokens, {workload.precision}; "
-              f"price {inputs['price']}")  # fmt: skip
-        doc["sizing"] = size_for_budget(law, system, workload, **{k: float(v) for k, v in budgets.items() if v is not None})
+        print(
+            f"lightning-scale-plan: what a budget buys on {system.world_size} x {system.device.name} "
+            f"({system.nodes} node(s)), global batch {workload.global_batch} x {workload.seq_len} tokens, {workload.precision}; "
+            f"price {inputs['price']}"
+        )
+        doc["sizing"] = size_for_budget(
+            law, system, workload, **{k: float(v) for k, v in budgets.items() if v is not None}
+        )
         print(describe(doc["sizing"]))
         (out / "plan.json").write_text(json.dumps(doc, indent=1))
         print(f"lightning-scale-plan: wrote {out / 'plan.json'}")
         return 0
     fits = sum(e.fits for e in ranked)
-    print(f"lightning-scale-plan: {inputs['model']} ({inputs['parameters'] / 1e9:.3g}B parameters) on {inputs['devices']} x "
-          f"{inputs['device']} ({inputs['nodes']} node(s)), global batch {inputs['global_batch']} x {inputs['seq_len']} tokens, "
-          f"{inputs['precision']}; {len(ranked)} layouts, {fits} fit")  # fmt: skip
+    print(
+        f"lightning-scale-plan: {inputs['model']} ({inputs['parameters'] / 1e9:.3g}B parameters) on {inputs['devices']} x "
+        f"{inputs['device']} ({inputs['nodes']} node(s)), global batch {inputs['global_batch']} x {inputs['seq_len']} tokens, "
+        f"{inputs['precision']}; {len(ranked)} layouts, {fits} fit"
+    )
     print(f"  price: {inputs['price']}")
     print(f"  efficiency: {inputs['efficiency'].split(': ', 1)[0]} (--explain LAYOUT: every term and its inputs)")
     if cfg.plan.explain:
         chosen = [e for e in ranked if e.name == cfg.plan.explain]
         if not chosen:
             near = ", ".join(e.name for e in ranked[:5])
-            print(f"lightning-scale-plan: error: no layout named {cfg.plan.explain!r}; the best are: {near}", file=sys.stderr)
+            print(
+                f"lightning-scale-plan: error: no layout named {cfg.plan.explain!r}; the best are: {near}",
+                file=sys.stderr,
+            )
             return 2
         shape, workload, system = _setup(cfg)  # the chosen layout again, with each term's inputs
         budget = cfg.plan.token_budget
-        print(explain(estimate(shape, workload, chosen[0].candidate, system, headroom=float(cfg.plan.headroom),
-                               token_budget=float(budget) if budget else None, explain=True)))  # fmt: skip
+        print(
+            explain(
+                estimate(
+                    shape,
+                    workload,
+                    chosen[0].candidate,
+                    system,
+                    headroom=float(cfg.plan.headroom),
+                    token_budget=float(budget) if budget else None,
+                    explain=True,
+                )
+            )
+        )
     else:
         print(table(ranked, int(cfg.plan.top)))
     if not ranked[0].fits:
@@ -261,8 +319,13 @@ def run(cfg: DictConfig) -> int:
     return 0
 
 
-_FLAGS = {"--explain": "plan.explain", "--budget-usd": "plan.budget_usd", "--budget-hours": "plan.budget_hours",
-          "--budget-flops": "plan.budget_flops", "--law": "plan.law"}  # fmt: skip
+_FLAGS = {
+    "--explain": "plan.explain",
+    "--budget-usd": "plan.budget_usd",
+    "--budget-hours": "plan.budget_hours",
+    "--budget-flops": "plan.budget_flops",
+    "--law": "plan.law",
+}
 
 
 def _hydra_argv(argv: Sequence[str]) -> list[str]:

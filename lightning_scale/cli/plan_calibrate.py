@@ -54,7 +54,11 @@ def observations_in(dirs: Sequence[Path]) -> tuple[dict[str, tuple[Cluster, list
                 continue
             record = doc.get("planner") if isinstance(doc, dict) else None
             if not isinstance(record, dict) or "inputs" not in record:
-                why = record.get("error") if isinstance(record, dict) else "no planner record (another strategy, or an older run)"
+                why = (
+                    record.get("error")
+                    if isinstance(record, dict)
+                    else "no planner record (another strategy, or an older run)"
+                )
                 skipped.append(f"{path}: {why}")
                 continue
             measured = record.get("measured") or {}
@@ -90,19 +94,26 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] | None = None, store: 
         for o in observations:
             before = estimate_time(o.shape, o.workload, o.candidate, system, peak=o.peak).step_time
             after = estimate_time(o.shape, o.workload, o.candidate, system, fitted, peak=o.peak).step_time
-            lines.append(f"  {o.name:40s} {o.step_time:11.4f} {before:10.4f} {after:10.4f} {after / o.step_time - 1:+8.1%}")
+            lines.append(
+                f"  {o.name:40s} {o.step_time:11.4f} {before:10.4f} {after:10.4f} {after / o.step_time - 1:+8.1%}"
+            )
         lines.append("  fitted: " + ", ".join(f"{f}={getattr(fitted, f):.4g}" for f in factors))
         if len(observations) < len(factors):
-            lines.append(f"  note: {len(observations)} run(s) for {len(factors)} factors: the fit is not unique; add runs "
-                         "that differ in layout.")  # fmt: skip
+            lines.append(
+                f"  note: {len(observations)} run(s) for {len(factors)} factors: the fit is not unique; add runs "
+                "that differ in layout."
+            )
     return lines
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-scale-plan calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories holding results.json files")
-    parser.add_argument("--fit", default=None, help=f"factors to fit, comma-separated (default {','.join(FITTED)}; on a "
-                        f"CPU host {','.join(CPU_FITTED)})")
+    parser.add_argument(
+        "--fit",
+        default=None,
+        help=f"factors to fit, comma-separated (default {','.join(FITTED)}; on a CPU host {','.join(CPU_FITTED)})",
+    )
     parser.add_argument("--store", type=Path, default=None, help=f"the calibration file (default {calibration_path()})")
     args = parser.parse_args(argv)
     try:

@@ -30,8 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_scale.cli.report_plots import PALETTE, Plotter, efficiency_base, group_jobs, no_throughput_note, noise, planner_table, plot_all
 from lightning_scale.cli.environment import wandb_offline
+from lightning_scale.cli.report_plots import (
+    PALETTE,
+    Plotter,
+    efficiency_base,
+    group_jobs,
+    no_throughput_note,
+    noise,
+    planner_table,
+    plot_all,
+)
 from lightning_scale.cli.results import collect_results, describe_totals, study_totals
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
@@ -126,9 +135,15 @@ def _table(
     body = []
     for i, job in enumerate(rows, 1):
         goodput = (job.get("goodput") or {}).get("goodput") if isinstance(job.get("goodput"), dict) else None
-        row = [str(i), labels[id(job)], str(job.get("world_size", "")), str(job.get("precision", "")),
-               str(job.get("global_batch_size", "")), *[_fmt(job.get(m), m) for m in metrics],
-               f"{float(goodput):.1%}" if isinstance(goodput, (int, float)) else "–"]  # fmt: skip
+        row = [
+            str(i),
+            labels[id(job)],
+            str(job.get("world_size", "")),
+            str(job.get("precision", "")),
+            str(job.get("global_batch_size", "")),
+            *[_fmt(job.get(m), m) for m in metrics],
+            f"{float(goodput):.1%}" if isinstance(goodput, (int, float)) else "–",
+        ]
         if base:
             rate, world = job.get("tokens_per_sec"), job.get("world_size")
             row.append(f"{float(rate) / int(world) / base:.0%}" if rate is not None and world else "–")
@@ -175,7 +190,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _write_best(directory: Path, job: dict[str, Any], rank_by: str, varying: set[str] = frozenset()) -> tuple[Path, str]:  # type: ignore[assignment]
+def _write_best(
+    directory: Path, job: dict[str, Any], rank_by: str, varying: set[str] = frozenset()
+) -> tuple[Path, str]:  # type: ignore[assignment]
     """The winner as ``strategy/best.yaml`` (package ``_global_``): its layout and device count, its
     precision and global batch, and every value that differed between the jobs (a group choice such as
     ``precision=bf16`` as the whole node the job ran with)."""
@@ -191,8 +208,14 @@ def _write_best(directory: Path, job: dict[str, Any], rank_by: str, varying: set
     strategy = cfg.strategy
     sizes = job.get("layout_sizes") or {}
     if str(strategy.get("_target_", "")).endswith("HybridParallelStrategy") and sizes:
-        strategy.data_parallel, strategy.tensor_parallel, strategy.pipeline_parallel = sizes["dp"], sizes["tp"], sizes["pp"]
-    node = OmegaConf.create({"strategy": strategy, "trainer": {"devices": cfg.trainer.devices, "num_nodes": cfg.trainer.num_nodes}})
+        strategy.data_parallel, strategy.tensor_parallel, strategy.pipeline_parallel = (
+            sizes["dp"],
+            sizes["tp"],
+            sizes["pp"],
+        )
+    node = OmegaConf.create(
+        {"strategy": strategy, "trainer": {"devices": cfg.trainer.devices, "num_nodes": cfg.trainer.num_nodes}}
+    )
     if OmegaConf.select(cfg, "data.global_batch_size") is not None:
         OmegaConf.update(node, "data.global_batch_size", cfg.data.global_batch_size)
     # Group choices (precision=bf16) go into the defaults list: a group later in the primary defaults would
@@ -222,26 +245,48 @@ def _write_best(directory: Path, job: dict[str, Any], rank_by: str, varying: set
         # A group config (strategy/best) cannot choose groups that come after it in the defaults (precision):
         # experiment/best, last in the defaults, chooses them and strategy=best.
         command = f"lightning-scale-train --config-dir {conf.resolve()} experiment=best"
-        experiment = OmegaConf.create({"defaults": [{"override /strategy": "best"}, *({f"override /{k}": v} for k, v in groups.items()), "_self_"]})
+        experiment = OmegaConf.create(
+            {
+                "defaults": [
+                    {"override /strategy": "best"},
+                    *({f"override /{k}": v} for k, v in groups.items()),
+                    "_self_",
+                ]
+            }
+        )
         (conf / "experiment").mkdir(parents=True, exist_ok=True)
         (conf / "experiment" / "best.yaml").write_text(
-            header + f"# Its layout is strategy/best.yaml; here its other choices. Train with it:\n#   {command}\n" + OmegaConf.to_yaml(experiment)
+            header
+            + f"# Its layout is strategy/best.yaml; here its other choices. Train with it:\n#   {command}\n"
+            + OmegaConf.to_yaml(experiment)
         )
     text = header + f"# Train with it:\n#   {command}\n" + OmegaConf.to_yaml(node)
     target.write_text(text)
     return target, command
 
 
-def _log_wandb(jobs: list[dict[str, Any]], header: list[str], body: list[list[str]], plots: dict[str, Path], directory: Path) -> str:
+def _log_wandb(
+    jobs: list[dict[str, Any]], header: list[str], body: list[list[str]], plots: dict[str, Path], directory: Path
+) -> str:
     import wandb
 
     study = next((j.get("study") for j in jobs if j.get("study")), None)
     run = wandb.init(
-        project="lightning-scale", group=study, job_type="report", name=f"{study}/report", dir=str(directory),
-        mode="offline" if wandb_offline() else "online", reinit="finish_previous",
-    )  # fmt: skip
+        project="lightning-scale",
+        group=study,
+        job_type="report",
+        name=f"{study}/report",
+        dir=str(directory),
+        mode="offline" if wandb_offline() else "online",
+        reinit="finish_previous",
+    )
     try:
-        run.log({"ranking": wandb.Table(columns=header, data=body), **{name: wandb.Image(str(p)) for name, p in plots.items()}})
+        run.log(
+            {
+                "ranking": wandb.Table(columns=header, data=body),
+                **{name: wandb.Image(str(p)) for name, p in plots.items()},
+            }
+        )
         return run.id
     finally:
         run.finish()
@@ -273,7 +318,10 @@ def build_report(
                 "<sweep dir>/<job>/results.json). Pass multirun/<study> of a sweep that started."
             )
         studies.append(next((str(j["study"]) for j in found if j.get("study")), sweep.name))
-        jobs += [{**j, "job": j.get("job") if len(sweeps) == 1 else f"{j.get('study') or sweep.name}/{j.get('job')}"} for j in found]
+        jobs += [
+            {**j, "job": j.get("job") if len(sweeps) == 1 else f"{j.get('study') or sweep.name}/{j.get('job')}"}
+            for j in found
+        ]
     sweep = sweeps[0]
     done = [j for j in jobs if j.get("status") == "completed"]
     if done and all(j.get(rank_by) is None for j in done):
@@ -286,7 +334,9 @@ def build_report(
     ranking = _ranked(jobs, rank_by)
     winners = [j for j in ranking if j.get(rank_by) is not None]
     if best and not winners:
-        raise ValueError(f"--best: no completed job recorded {rank_by}, so there is no winner to write. Rank by another metric.")
+        raise ValueError(
+            f"--best: no completed job recorded {rank_by}, so there is no winner to write. Rank by another metric."
+        )
     directory = Path(out) if out is not None else sweep / "report"
     (directory / "plots").mkdir(parents=True, exist_ok=True)
     varying = _varying(jobs)
@@ -324,7 +374,11 @@ def build_report(
         header_p, body_p, note = planner
         md += ["## Planner: predicted and measured", "", note, "", _markdown_table(header_p, body_p), ""]
     if others:
-        md += ["## Not completed", ""] + [f"- {labels[id(j)]}: **{j.get('status')}**: {j.get('reason', '')}" for j in others] + [""]
+        md += (
+            ["## Not completed", ""]
+            + [f"- {labels[id(j)]}: **{j.get('status')}**: {j.get('reason', '')}" for j in others]
+            + [""]
+        )
     md += ["## Plots", ""] + [f"![{name}](plots/{p.name})" for name, p in plotter.plots.items()] + [""]
     md += [f"- {n}" for n in notes]
     best_config = best_command = None
@@ -346,19 +400,28 @@ def build_report(
         ".plots{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}"
         "figure{margin:0;flex:0 1 48%}img{max-width:100%;height:auto}"
     )
-    not_done = "".join(f"<li>{html.escape(labels[id(j)])}: <b>{j.get('status')}</b>: {html.escape(str(j.get('reason', '')))}</li>" for j in others)
+    not_done = "".join(
+        f"<li>{html.escape(labels[id(j)])}: <b>{j.get('status')}</b>: {html.escape(str(j.get('reason', '')))}</li>"
+        for j in others
+    )
     page = (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Sweep report: {html.escape(study)}</title>"
         f"<style>{style}</style></head><body><h1>Sweep report: {html.escape(study)}</h1>"
-        f"<p>{html.escape(summary.format(', '.join(map(str, sweeps))))}</p><p>{html.escape(totals)}</p>" + (f"<div class='warning'><b>Warning</b>{warning}</div>" if warnings else "")
+        f"<p>{html.escape(summary.format(', '.join(map(str, sweeps))))}</p><p>{html.escape(totals)}</p>"
+        + (f"<div class='warning'><b>Warning</b>{warning}</div>" if warnings else "")
         + f"<h2>Ranking by {html.escape(metric.label)} ({order} first)</h2>"
-        f"{_html_table(header, body)}" + (f"<h2>Not completed</h2><ul>{not_done}</ul>" if others else "")
-        + f"<h2>Plots</h2><div class='plots'>{images}</div>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
-        + (f"<h2>Best layout</h2><pre>{html.escape(best_command)}</pre>" if best_command else "") + "</body></html>"
+        f"{_html_table(header, body)}"
+        + (f"<h2>Not completed</h2><ul>{not_done}</ul>" if others else "")
+        + f"<h2>Plots</h2><div class='plots'>{images}</div>"
+        + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
+        + (f"<h2>Best layout</h2><pre>{html.escape(best_command)}</pre>" if best_command else "")
+        + "</body></html>"
     )
     page_path = directory / "report.html"
     page_path.write_text(page)
-    (directory / "ranking.json").write_text(json.dumps([{k: v for k, v in j.items() if k != "curves"} for j in ranking], indent=2, default=str))
+    (directory / "ranking.json").write_text(
+        json.dumps([{k: v for k, v in j.items() if k != "curves"} for j in ranking], indent=2, default=str)
+    )
     if use_wandb:
         _log_wandb(jobs, header, body, plotter.plots, directory)
     return Report(directory, markdown, page_path, plotter.plots, ranking, best_config, best_command)
@@ -366,7 +429,9 @@ def build_report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-scale-report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep_dir", nargs="+", help="a sweep directory, multirun/<study> (several: one report of them all)")
+    parser.add_argument(
+        "sweep_dir", nargs="+", help="a sweep directory, multirun/<study> (several: one report of them all)"
+    )
     parser.add_argument("--rank-by", default="tokens_per_sec", help=f"one of: {', '.join(METRICS)}")
     parser.add_argument("--best", action="store_true", help="write the winner as report/conf/strategy/best.yaml")
     parser.add_argument("--wandb", action="store_true", help="log the table and plots to a wandb run of the study")

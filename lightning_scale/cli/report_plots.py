@@ -27,7 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOADED_AT", "NOISE_SPREAD", "PALETTE", "REPEAT_KEYS", "Group", "Plotter", "group_jobs", "no_throughput_note", "noise", "planner_table", "plot_all"]
+__all__ = [
+    "LOADED_AT",
+    "NOISE_SPREAD",
+    "PALETTE",
+    "REPEAT_KEYS",
+    "Group",
+    "Plotter",
+    "group_jobs",
+    "no_throughput_note",
+    "noise",
+    "planner_table",
+    "plot_all",
+]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 """Series colours, in order; each PNG lists its series and their colours in its ``Series`` text chunk."""
@@ -42,8 +54,16 @@ LOADED_AT = 1.0
 """A 1-minute load average at job start of at least this (one core's worth of other work) is a busy machine."""
 
 # Override keys the label already shows through the job's own record (devices, layout, precision, batch).
-_COVERED = ("data_parallel", "tensor_parallel", "pipeline_parallel", "data_parallel_mode", "trainer.devices",
-            "trainer.num_nodes", "precision", "global_batch_size")  # fmt: skip
+_COVERED = (
+    "data_parallel",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "data_parallel_mode",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "precision",
+    "global_batch_size",
+)
 _LAYOUT_FIELDS = {"devices", "nodes", "mode", "tp", "pp", "layout"}
 _BARE = {"precision", "mode"}  # shown as the value alone: "bf16-mixed", not "precision=bf16-mixed"
 _ERROR_BAR = "#222222"
@@ -149,17 +169,26 @@ def noise(groups: Sequence[Group], job_label: Mapping[int, str]) -> tuple[list[s
     busy = [j for j in jobs if (loads[id(j)] or 0.0) >= LOADED_AT]
     if busy:
         listed = ", ".join(f"{job_label[id(j)]} ({loads[id(j)]:.1f} on {j.get('cpu_count') or '?'} CPUs)" for j in busy)
-        warnings.append(f"{len(busy)} of {len(jobs)} jobs started on a busy machine (1-minute load average >= {LOADED_AT:g}): {listed}.")
+        warnings.append(
+            f"{len(busy)} of {len(jobs)} jobs started on a busy machine (1-minute load average >= {LOADED_AT:g}): {listed}."
+        )
     if warnings:
-        warnings.insert(0, "Throughput is noisy: a difference smaller than the spread below decides nothing. Rerun on an idle "
-                           "machine, with repeats (e.g. repeat=range(3)), before choosing a layout by it.")  # fmt: skip
+        warnings.insert(
+            0,
+            "Throughput is noisy: a difference smaller than the spread below decides nothing. Rerun on an idle "
+            "machine, with repeats (e.g. repeat=range(3)), before choosing a layout by it.",
+        )
     if not any(len(g.values("tokens_per_sec")) > 1 for g in groups):
-        notes.append("No configuration was repeated, so the spread of throughput is unknown: add repeats to the sweep, "
-                     f"e.g. repeat=range(3) (jobs that differ only in {' or '.join(sorted(REPEAT_KEYS))} are repeats of one "
-                     "configuration).")  # fmt: skip
+        notes.append(
+            "No configuration was repeated, so the spread of throughput is unknown: add repeats to the sweep, "
+            f"e.g. repeat=range(3) (jobs that differ only in {' or '.join(sorted(REPEAT_KEYS))} are repeats of one "
+            "configuration)."
+        )
     if jobs and all(v is None for v in loads.values()):
-        notes.append("The jobs did not record the machine's load (load_average in results.json): a busy machine "
-                     "would make throughput noisy unnoticed.")  # fmt: skip
+        notes.append(
+            "The jobs did not record the machine's load (load_average in results.json): a busy machine "
+            "would make throughput noisy unnoticed."
+        )
     return warnings, notes
 
 
@@ -206,14 +235,20 @@ class Plotter:
 
     def save(self, fig: Any, name: str, title: str, series: list[tuple[str, str]], **chunks: Any) -> None:
         path = self.directory / f"{name}.png"
-        meta = {"Title": title, "Series": json.dumps([{"name": n, "color": c} for n, c in series]), "Software": "lightning-scale"}
+        meta = {
+            "Title": title,
+            "Series": json.dumps([{"name": n, "color": c} for n, c in series]),
+            "Software": "lightning-scale",
+        }
         meta |= {k: json.dumps(v) for k, v in chunks.items()}
         fig.tight_layout()
         fig.savefig(path, dpi=100, metadata=meta, bbox_inches="tight", pad_inches=0.15)  # nothing clipped
         self.plt.close(fig)
         self.plots[name] = path
 
-    def bars(self, name: str, title: str, rows: list[tuple[str, list[float]]], xlabel: str, series: str, unit: str) -> None:
+    def bars(
+        self, name: str, title: str, rows: list[tuple[str, list[float]]], xlabel: str, series: str, unit: str
+    ) -> None:
         """One horizontal bar per (label, values) in the given order, top down: the median, an error
         bar from min to max where there are repeats, and the value (and runs) beside it."""
         mids = [statistics.median(v) for _, v in rows]
@@ -223,8 +258,13 @@ class Plotter:
         y = list(range(len(rows)))
         ax.barh(y, mids, height=0.6, color=PALETTE[0], label="median of repeats" if repeated else series)
         if repeated:
-            err = [[m - lo for m, lo in zip(mids, lows, strict=True)], [hi - m for m, hi in zip(mids, highs, strict=True)]]
-            ax.errorbar(mids, y, xerr=err, fmt="none", ecolor=_ERROR_BAR, elinewidth=1.5, capsize=4, label="min..max of repeats")
+            err = [
+                [m - lo for m, lo in zip(mids, lows, strict=True)],
+                [hi - m for m, hi in zip(mids, highs, strict=True)],
+            ]
+            ax.errorbar(
+                mids, y, xerr=err, fmt="none", ecolor=_ERROR_BAR, elinewidth=1.5, capsize=4, label="min..max of repeats"
+            )
         top = max(highs) if highs else 1.0
         for i, (_, values) in enumerate(rows):
             text = _text(mids[i], unit) + (f"  (median of {len(values)})" if len(values) > 1 else "")
@@ -237,22 +277,30 @@ class Plotter:
         ax.grid(axis="x", alpha=0.3)
         if repeated:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-        bars = [{"label": label, "value": m, "min": lo, "max": hi, "runs": len(v)}
-                for (label, v), m, lo, hi in zip(rows, mids, lows, highs, strict=True)]  # fmt: skip
+        bars = [
+            {"label": label, "value": m, "min": lo, "max": hi, "runs": len(v)}
+            for (label, v), m, lo, hi in zip(rows, mids, lows, highs, strict=True)
+        ]
         self.save(fig, name, title, [(series, PALETTE[0])], Bars=bars)
 
 
-def _scaling_plots(plotter: Plotter, groups: Sequence[Group], found: tuple[list[int], list[float], list[float]]) -> None:
+def _scaling_plots(
+    plotter: Plotter, groups: Sequence[Group], found: tuple[list[int], list[float], list[float]]
+) -> None:
     plt = plotter.plt
     devices, measured, ideal = found
     outside = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "frameon": False}
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    points = [(j["world_size"], j["tokens_per_sec"]) for g in groups for j in g.jobs if j.get("tokens_per_sec") is not None]
+    points = [
+        (j["world_size"], j["tokens_per_sec"]) for g in groups for j in g.jobs if j.get("tokens_per_sec") is not None
+    ]
     ax.plot(devices, ideal, "--s", color=PALETTE[9], linewidth=2, markersize=7, label="ideal")
     ax.plot(devices, measured, "-o", color=PALETTE[0], linewidth=2.5, label="measured (best)")
     ax.scatter([p[0] for p in points], [p[1] for p in points], color=PALETTE[0], s=18, zorder=3, label="each job")
     for d, m in zip(devices, measured, strict=True):
-        ax.annotate(f"{m:,.0f}", (d, m), textcoords="offset points", xytext=(6, -12), ha="left", fontsize=8)  # under the ideal
+        ax.annotate(
+            f"{m:,.0f}", (d, m), textcoords="offset points", xytext=(6, -12), ha="left", fontsize=8
+        )  # under the ideal
     ax.set_xlabel("devices")
     ax.set_ylabel("tokens/s")
     ax.set_xticks(devices)
@@ -260,7 +308,9 @@ def _scaling_plots(plotter: Plotter, groups: Sequence[Group], found: tuple[list[
     ax.set_title("Throughput against devices")
     ax.legend(**outside)
     ax.grid(alpha=0.3)
-    plotter.save(fig, "throughput_vs_devices", "Throughput against devices", [("measured", PALETTE[0]), ("ideal", PALETTE[9])])
+    plotter.save(
+        fig, "throughput_vs_devices", "Throughput against devices", [("measured", PALETTE[0]), ("ideal", PALETTE[9])]
+    )
     fig, ax = plt.subplots(figsize=(6.5, 4))
     efficiency = [m / i for m, i in zip(measured, ideal, strict=True)]
     ax.axhline(1.0, linestyle="--", color=PALETTE[9], linewidth=2, label="ideal")
@@ -311,7 +361,9 @@ def plot_all(
         rows = [(g.label, [v * factor for v in g.values(key)]) for g in groups]
         rows = [r for r in rows if r[1]]
         if not rows:
-            notes.append(no_throughput_note(jobs) if key == "tokens_per_sec" else f"No job recorded {key}: {title} is not drawn.")
+            notes.append(
+                no_throughput_note(jobs) if key == "tokens_per_sec" else f"No job recorded {key}: {title} is not drawn."
+            )
             continue
         rows.sort(key=lambda r: statistics.median(r[1]), reverse=m.higher_is_better)
         better = "higher" if m.higher_is_better else "lower"
@@ -322,7 +374,10 @@ def plot_all(
         _scaling_plots(plotter, groups, found)
     elif any(g.values("tokens_per_sec") for g in groups):
         notes.append("One device count: no throughput-against-devices or scaling-efficiency plot.")
-    curves = [(j, (j.get("curves") or {}).get("train/loss") or [], (j.get("curves") or {}).get("val/loss") or []) for j in jobs]
+    curves = [
+        (j, (j.get("curves") or {}).get("train/loss") or [], (j.get("curves") or {}).get("val/loss") or [])
+        for j in jobs
+    ]
     curves = [c for c in curves if c[1] or c[2]]
     if not curves:
         notes.append("No loss curves were recorded.")
@@ -335,7 +390,15 @@ def plot_all(
         if train:
             ax.plot([s for s, _ in train], [v for _, v in train], "-", color=color, linewidth=2, label=f"{label} train")
         if val:
-            ax.plot([s for s, _ in val], [v for _, v in val], "--o", color=color, linewidth=2, markersize=3, label=f"{label} val")
+            ax.plot(
+                [s for s, _ in val],
+                [v for _, v in val],
+                "--o",
+                color=color,
+                linewidth=2,
+                markersize=3,
+                label=f"{label} val",
+            )
         series.append((label, color))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -346,21 +409,43 @@ def plot_all(
     return notes
 
 
-def planner_table(jobs: Sequence[dict[str, Any]], labels: dict[int, str]) -> tuple[list[str], list[list[str]], str] | None:
+def planner_table(
+    jobs: Sequence[dict[str, Any]], labels: dict[int, str]
+) -> tuple[list[str], list[list[str]], str] | None:
     """The planner's prediction for each job's layout beside what the job measured (``results.json``'s
     ``planner``) with the error, and a note (the efficiency used, the mean error); None when no job has one."""
     rows = [j for j in jobs if isinstance(j.get("planner"), dict) and "predicted" in j["planner"]]
     if not rows:
         return None
-    header = ["job", "layout", "chosen by", "predicted step s", "measured step s", "error", "predicted tokens/s", "measured tokens/s"]
+    header = [
+        "job",
+        "layout",
+        "chosen by",
+        "predicted step s",
+        "measured step s",
+        "error",
+        "predicted tokens/s",
+        "measured tokens/s",
+    ]
     body, errors = [], []
     for j in rows:
         p = j["planner"]
         error, measured = (p.get("error") or {}).get("step_time_s"), (p.get("measured") or {}).get("step_time_s")
         errors += [abs(error)] if error is not None else []
         rate = j.get("tokens_per_sec")
-        body.append([labels[id(j)], str(p.get("layout")), str(p.get("chosen_by")), f"{p['predicted']['step_time_s']:.4g}",
-                     "–" if measured is None else f"{measured:.4g}", "–" if error is None else f"{error:+.1%}",
-                     f"{p['predicted']['tokens_per_sec']:,.0f}", "–" if rate is None else f"{rate:,.0f}"])  # fmt: skip
-    mean = f" Mean absolute step-time error {sum(errors) / len(errors):.1%} over {len(errors)} job(s)." if errors else ""
+        body.append(
+            [
+                labels[id(j)],
+                str(p.get("layout")),
+                str(p.get("chosen_by")),
+                f"{p['predicted']['step_time_s']:.4g}",
+                "–" if measured is None else f"{measured:.4g}",
+                "–" if error is None else f"{error:+.1%}",
+                f"{p['predicted']['tokens_per_sec']:,.0f}",
+                "–" if rate is None else f"{rate:,.0f}",
+            ]
+        )
+    mean = (
+        f" Mean absolute step-time error {sum(errors) / len(errors):.1%} over {len(errors)} job(s)." if errors else ""
+    )
     return header, body, f"Efficiency: {rows[0]['planner'].get('efficiency', '')}.{mean}"

@@ -54,10 +54,27 @@ JOB_FILE = "job.json"
 """A sweep job's (or a run's) record of itself: wandb run id, attempt, checkpoint resumed from."""
 STATUSES = ("completed", "skipped", "failed")
 
-SUMMARY_METRICS = ("train/tokens_per_sec", "train/tokens_per_sec_per_device", "train/mfu", "train/hfu",
-                   "train/achieved_tflops_per_device", "train/peak_flops_measured", "memory/peak_allocated_gib",
-                   "memory/peak_reserved_gib", "memory/peak_rss_gib", "cost/usd", "cost/usd_per_1m_tokens", "cost/usd_to_target", "cost/hours_to_target", "energy/kwh",
-                   "train/step_time/total", "plan/step_time", "plan/memory_per_device_gib", "plan/tokens_per_sec", "plan/mfu")
+SUMMARY_METRICS = (
+    "train/tokens_per_sec",
+    "train/tokens_per_sec_per_device",
+    "train/mfu",
+    "train/hfu",
+    "train/achieved_tflops_per_device",
+    "train/peak_flops_measured",
+    "memory/peak_allocated_gib",
+    "memory/peak_reserved_gib",
+    "memory/peak_rss_gib",
+    "cost/usd",
+    "cost/usd_per_1m_tokens",
+    "cost/usd_to_target",
+    "cost/hours_to_target",
+    "energy/kwh",
+    "train/step_time/total",
+    "plan/step_time",
+    "plan/memory_per_device_gib",
+    "plan/tokens_per_sec",
+    "plan/mfu",
+)
 """The telemetry callbacks' metrics whose last values go into ``summary.json``."""
 
 
@@ -85,7 +102,9 @@ def collect_results(sweep_dir: Path) -> list[dict[str, Any]]:
         doc = read_json(path)
         if doc is not None:
             found.append({**doc, "job_dir": str(path.parent)})
-    return sorted(found, key=lambda d: (d.get("job") is None, d.get("job") if isinstance(d.get("job"), int) else 0, d["job_dir"]))
+    return sorted(
+        found, key=lambda d: (d.get("job") is None, d.get("job") if isinstance(d.get("job"), int) else 0, d["job_dir"])
+    )
 
 
 def study_totals(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -106,10 +125,15 @@ def study_totals(jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def describe_totals(totals: Mapping[str, Any]) -> str:
     """One line for a study's totals (:func:`study_totals`)."""
-    usd = (f"${totals['usd']:,.2f} ({totals['priced_jobs']} of {totals['jobs_run']} jobs priced)"
-           if totals["usd"] is not None else "no cost recorded (no price for the device)")  # fmt: skip
-    return (f"{totals['jobs_run']} jobs ran: {totals['device_hours']:.3g} device-hours, "
-            f"{totals['job_hours']:.3g} h of jobs, {usd}")  # fmt: skip
+    usd = (
+        f"${totals['usd']:,.2f} ({totals['priced_jobs']} of {totals['jobs_run']} jobs priced)"
+        if totals["usd"] is not None
+        else "no cost recorded (no price for the device)"
+    )
+    return (
+        f"{totals['jobs_run']} jobs ran: {totals['device_hours']:.3g} device-hours, "
+        f"{totals['job_hours']:.3g} h of jobs, {usd}"
+    )
 
 
 class ValidationRecord(Callback):
@@ -135,10 +159,16 @@ class ValidationRecord(Callback):
         return trainer.global_step if trainer.state.fn == "fit" or self.resume_step is None else self.resume_step
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         loss = trainer.callback_metrics.get("train/loss")
-        if loss is not None and step % max(trainer.log_every_n_steps, 1) == 0 and (not self.train_curve or self.train_curve[-1][0] != step):
+        if (
+            loss is not None
+            and step % max(trainer.log_every_n_steps, 1) == 0
+            and (not self.train_curve or self.train_curve[-1][0] != step)
+        ):
             self.train_curve.append((step, float(loss)))
 
     @override
@@ -156,14 +186,20 @@ class ValidationRecord(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"val_curve": [list(p) for p in self.val_curve], "train_curve": [list(p) for p in self.train_curve],
-                "elapsed_s": self.elapsed_s(), "initial_val_loss": self.initial_val_loss}  # fmt: skip
+        return {
+            "val_curve": [list(p) for p in self.val_curve],
+            "train_curve": [list(p) for p in self.train_curve],
+            "elapsed_s": self.elapsed_s(),
+            "initial_val_loss": self.initial_val_loss,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The earlier attempts' points up to the checkpoint, then this attempt's (a validation before the
         # resumed fit, at the step it resumes from, stays).
-        resumed_at = max((int(s) for s, _ in state_dict.get("train_curve", []) + state_dict.get("val_curve", [])), default=-1)
+        resumed_at = max(
+            (int(s) for s, _ in state_dict.get("train_curve", []) + state_dict.get("val_curve", [])), default=-1
+        )
         earlier_val = [(int(s), float(v)) for s, v in state_dict.get("val_curve", [])]
         self.val_curve = earlier_val + [p for p in self.val_curve if p[0] >= resumed_at and p not in earlier_val]
         self.train_curve = [(int(s), float(v)) for s, v in state_dict.get("train_curve", [])] + [
@@ -264,14 +300,23 @@ def job_results(
     job = cast(dict, OmegaConf.to_container(cfg.job, resolve=True)) if cfg.get("job") is not None else {}
     plain = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     layout = job.get("layout") or layout_of(plain)
-    vals = [loss for _, loss in record.val_curve] + [summary[k] for k in ("initial_val_loss", "final_val_loss") if summary.get(k) is not None]
+    vals = [loss for _, loss in record.val_curve] + [
+        summary[k] for k in ("initial_val_loss", "final_val_loss") if summary.get(k) is not None
+    ]
     throughput_on = any(type(c).__name__ == "Throughput" for c in each_callback(trainer))
     cost = (cfg.get("callbacks") or {}).get("cost") or {}
     planned = prediction_record(trainer, summary, max(peaks) if trainer.strategy.root_device.type == "cuda" else None)
     if planned and planned.get("chosen_by") == "auto":  # the layout the planner chose, as a sweep names layouts
         c = Candidate(**planned["inputs"]["candidate"])
-        layout = {"name": c.layout, "dp": c.dp, "tp": c.tp, "pp": c.pp, "mode": c.dp_mode, "world_size": trainer.world_size,
-                  "chosen_by": "auto"}  # fmt: skip
+        layout = {
+            "name": c.layout,
+            "dp": c.dp,
+            "tp": c.tp,
+            "pp": c.pp,
+            "mode": c.dp_mode,
+            "world_size": trainer.world_size,
+            "chosen_by": "auto",
+        }
     return {
         "status": "completed",
         "study": cfg.get("study"),
@@ -309,9 +354,13 @@ def job_results(
         "goodput": summary.get("goodput"),
         # Why tokens_per_sec may be null: "off" (no Throughput callback), "no_logging_step" (it was on, but the
         # run ended before its first logging step: trainer.log_every_n_steps), or "logged".
-        "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step") if throughput_on else "off",
+        "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step")
+        if throughput_on
+        else "off",
         "log_every_n_steps": trainer.log_every_n_steps,
-        "metrics": {k: v for k, v in summary.items() if "/" in k},  # the telemetry callbacks' last values, by metric name
+        "metrics": {
+            k: v for k, v in summary.items() if "/" in k
+        },  # the telemetry callbacks' last values, by metric name
         # The planner's prediction for this run's layout beside what it measured (and what calibration refits from).
         "planner": planned,
         "curves": {"train/loss": record.train_curve, "val/loss": record.val_curve},
@@ -331,9 +380,12 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             continue
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     device = trainer.strategy.root_device

@@ -90,7 +90,9 @@ def latest_lightning_checkpoint(roots: list[Path]) -> Path | None:
                 rank_zero_warn(f"Skipping {file}, which does not load: {type(err).__name__}: {str(err)[:300]}")
                 continue
             if not isinstance(state, dict) or not {"optimizer_states", "loops"} <= state.keys():
-                rank_zero_warn(f"Skipping {file}: no optimizer or loop state (saved with weights only?), nothing to resume.")
+                rank_zero_warn(
+                    f"Skipping {file}: no optimizer or loop state (saved with weights only?), nothing to resume."
+                )
                 continue
             found.append((int(state.get("global_step", -1)), real.stat().st_mtime, real))
     return max(found)[2] if found else None
@@ -111,7 +113,9 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     roots = _checkpoint_roots(cfg)
     found = latest_lightning_checkpoint(roots)
     if found is None:
-        rank_zero_warn(f"ckpt_path='latest': no checkpoint that loads in {', '.join(map(str, roots))}; starting from scratch.")
+        rank_zero_warn(
+            f"ckpt_path='latest': no checkpoint that loads in {', '.join(map(str, roots))}; starting from scratch."
+        )
         return None
     return str(found)
 

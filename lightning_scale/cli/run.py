@@ -46,7 +46,9 @@ __all__ = ["build", "prepare_job", "run", "threads_left"]
 
 def _wandb_loggers(cfg: DictConfig) -> list[Any]:
     loggers = cfg.get("logger") or {}
-    return [node for node in loggers.values() if node is not None and str(node.get("_target_", "")).endswith("WandbLogger")]
+    return [
+        node for node in loggers.values() if node is not None and str(node.get("_target_", "")).endswith("WandbLogger")
+    ]
 
 
 def _new_run_id() -> str:
@@ -95,7 +97,9 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRec
 
     callbacks += [CsvHistory(lg) for lg in loggers if isinstance(lg, CSVLogger)]  # a resumed run keeps its rows
     strategy = instantiate(cfg.strategy)
-    if not isinstance(strategy, HybridParallelStrategy) and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+    if not isinstance(strategy, HybridParallelStrategy) and not any(
+        isinstance(c, PreemptionCheckpoint) for c in callbacks
+    ):
         # HybridParallelStrategy adds one to every fit; Lightning's strategies do not, and their own SIGTERM
         # handling ends the run with status 0 and no checkpoint, so a scheduler would take it as finished.
         callbacks.append(PreemptionCheckpoint())
@@ -149,7 +153,9 @@ def _end_processes(launcher: Any, *, finished: bool) -> None:
         try:
             child.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            print(f"lightning-scale-train: rank process {child.pid} did not exit; killing it", file=sys.stderr, flush=True)
+            print(
+                f"lightning-scale-train: rank process {child.pid} did not exit; killing it", file=sys.stderr, flush=True
+            )
             child.kill()
             child.wait()
     failed = {child.pid: child.returncode for child in children if child.returncode}

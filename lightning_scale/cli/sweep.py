@@ -126,8 +126,14 @@ def run_job(cfg: DictConfig, resolved: DictConfig, job: dict[str, Any]) -> dict[
             code = torchrun(resolved, config_file, run_dir / LOG_FILE, label)
     except (JobDirBusy, ConfigMismatch) as err:  # the directory is not this job's to write: nothing is written
         say(f"{label}: refused: {err}")
-        doc = {"status": "failed", "job": job.get("num"), "layout": job.get("layout", {}).get("name"), "reason": str(err),
-               "overrides": job.get("overrides"), "job_dir": str(run_dir)}  # fmt: skip
+        doc = {
+            "status": "failed",
+            "job": job.get("num"),
+            "layout": job.get("layout", {}).get("name"),
+            "reason": str(err),
+            "overrides": job.get("overrides"),
+            "job_dir": str(run_dir),
+        }
         _UNRECORDED.append(doc)
         return doc
     except Exception as err:  # noqa: BLE001 - a failed job is recorded, the sweep goes on
@@ -165,7 +171,10 @@ def _record(run_dir: Path, job: Mapping[str, Any], status: str, **extra: Any) ->
         if existing.get("status") == "completed" and existing.get("config_fingerprint") != doc["config_fingerprint"]:
             _UNRECORDED.append({**doc, "job_dir": str(run_dir)})  # never overwrite another config's finished job
             return doc
-        if all(existing.get(k) == doc.get(k) for k in ("config_fingerprint", "status", "reason")) and status == "skipped":
+        if (
+            all(existing.get(k) == doc.get(k) for k in ("config_fingerprint", "status", "reason"))
+            and status == "skipped"
+        ):
             return existing  # the same verdict on the same config: the record stands as written
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run_dir / RESULTS_FILE, doc)
@@ -174,8 +183,14 @@ def _record(run_dir: Path, job: Mapping[str, Any], status: str, **extra: Any) ->
 
 def _plan(run_dir: Path, job: dict[str, Any], action: str, reason: str) -> dict[str, Any]:
     """A dry run's line for one job: what the sweep would do, and why."""
-    row = {"job": job.get("num"), "dir": str(run_dir), "action": action, "layout": (job.get("layout") or {}).get("name"),
-           "overrides": job.get("overrides"), "reason": reason}  # fmt: skip
+    row = {
+        "job": job.get("num"),
+        "dir": str(run_dir),
+        "action": action,
+        "layout": (job.get("layout") or {}).get("name"),
+        "overrides": job.get("overrides"),
+        "reason": reason,
+    }
     _DRY_RUN.append(row)
     say(f"dry run: job {job.get('num')} ({row['layout'] or '?'}): {action}: {reason}")
     _forget_unused_dir(run_dir)
@@ -206,7 +221,9 @@ def _forget_unused_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         return
     names = {p.name for p in run_dir.iterdir()}
-    if names <= {".hydra", "train.log"} and (not (run_dir / "train.log").exists() or (run_dir / "train.log").stat().st_size == 0):
+    if names <= {".hydra", "train.log"} and (
+        not (run_dir / "train.log").exists() or (run_dir / "train.log").stat().st_size == 0
+    ):
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -248,31 +265,50 @@ class SweepSummary(Callback):
             counts: dict[str, int] = {}
             for row in _DRY_RUN:
                 counts[row["action"]] = counts.get(row["action"], 0) + 1
-            print(f"[sweep] dry run of {sweep_dir}: {len(_DRY_RUN)} jobs (" + ", ".join(f"{n} {a}" for a, n in counts.items())
-                  + "); nothing was launched", flush=True)  # fmt: skip
+            print(
+                f"[sweep] dry run of {sweep_dir}: {len(_DRY_RUN)} jobs ("
+                + ", ".join(f"{n} {a}" for a, n in counts.items())
+                + "); nothing was launched",
+                flush=True,
+            )
             for row in _DRY_RUN:
-                print(f"[sweep]   {Path(row['dir']).name:>4} {row['action']:<8} {row['layout'] or '':<16} {row['reason']}", flush=True)
+                print(
+                    f"[sweep]   {Path(row['dir']).name:>4} {row['action']:<8} {row['layout'] or '':<16} {row['reason']}",
+                    flush=True,
+                )
             if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= {"multirun.yaml"}:
                 import shutil
 
                 shutil.rmtree(sweep_dir, ignore_errors=True)  # a new study: the dry run leaves nothing behind
             return
-        job_dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")] if sweep_dir.is_dir() else []
+        job_dirs = (
+            [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")] if sweep_dir.is_dir() else []
+        )
         results = {Path(r["job_dir"]).resolve(): r for r in collect_results(sweep_dir)}
         refused = {Path(r["job_dir"]).resolve(): r for r in _UNRECORDED}
         rows = []
-        for job_dir in sorted(job_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+        for job_dir in sorted(
+            job_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
+        ):
             doc = refused.get(job_dir.resolve()) or results.get(job_dir.resolve())
             if doc is None and not (job_dir / ".hydra").is_dir() and not (job_dir / JOB_FILE).is_file():
                 continue  # not a job directory (e.g. the report)
             doc = doc or {"status": "failed", "reason": f"no {RESULTS_FILE} (the job did not finish)"}
-            rows.append({"dir": job_dir.name, **{k: doc.get(k) for k in ("status", "layout", "tokens_per_sec", "reason")}})
+            rows.append(
+                {"dir": job_dir.name, **{k: doc.get(k) for k in ("status", "layout", "tokens_per_sec", "reason")}}
+            )
         counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
         _FAILED.append(counts["failed"])
         totals = study_totals(list(results.values()))
-        write_json(sweep_dir / "sweep.json", {"study": config.get("study"), "counts": counts, "totals": totals, "jobs": rows})
-        print(f"[sweep] {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"; {describe_totals(totals)}",
-              flush=True)  # fmt: skip
+        write_json(
+            sweep_dir / "sweep.json", {"study": config.get("study"), "counts": counts, "totals": totals, "jobs": rows}
+        )
+        print(
+            f"[sweep] {sweep_dir}: "
+            + ", ".join(f"{n} {s}" for s, n in counts.items())
+            + f"; {describe_totals(totals)}",
+            flush=True,
+        )
         for r in rows:
             detail = f"{r['tokens_per_sec']:,.0f} tokens/s" if r.get("tokens_per_sec") else (r.get("reason") or "")
             print(f"[sweep]   {r['dir']:>4} {r['status']:<9} {r.get('layout') or '':<16} {detail}", flush=True)

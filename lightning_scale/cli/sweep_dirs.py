@@ -42,7 +42,11 @@ def _task_fingerprint(root: DictConfig) -> str:
 
 def _recorded_fingerprint(job_dir: Path) -> str | None:
     """The config fingerprint a job directory's records carry (claim, results or job record), or None."""
-    for name, key in ((_CLAIM_FILE, "config_fingerprint"), (RESULTS_FILE, "config_fingerprint"), (JOB_FILE, "fingerprint")):
+    for name, key in (
+        (_CLAIM_FILE, "config_fingerprint"),
+        (RESULTS_FILE, "config_fingerprint"),
+        (JOB_FILE, "fingerprint"),
+    ):
         doc = read_json(job_dir / name)
         if doc and doc.get(key):
             return str(doc[key])

@@ -19,7 +19,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_scale.cli.environment import ORPHAN_WATCH_ENV, RESOLVED_CONFIG_ENV, die_with_parent, libc_prctl, global_rank
+from lightning_scale.cli.environment import (
+    ORPHAN_WATCH_ENV,
+    RESOLVED_CONFIG_ENV,
+    die_with_parent,
+    global_rank,
+    libc_prctl,
+)
 from lightning_scale.cli.job_config import devices_per_node
 
 __all__ = ["JOB_ID_ENV", "LOG_FILE", "PROGRESS_EVERY_S", "say", "tail", "torchrun"]
@@ -52,9 +58,15 @@ def torchrun(cfg: DictConfig, config_file: Path, log: Path, label: str = "job") 
     if str(trainer.get("accelerator", "cpu")) == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "lightning_scale.cli.train",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "lightning_scale.cli.train",
+    ]
     sweep_pid = os.getpid()
     job_id = f"{sweep_pid}-{time.monotonic_ns()}"
     env[JOB_ID_ENV] = job_id  # every process of the job inherits it: what the reaper looks for
@@ -72,7 +84,7 @@ JOB_ID_ENV = "LIGHTNING_SCALE_SWEEP_JOB"
 # that wandb's service starts, which no sweep process is the parent of.
 _REAPER = """
 import os, signal, sys, time
-mark = ("%s=" + sys.argv[1]).encode()
+mark = ("JOB_ID_ENV=" + sys.argv[1]).encode()
 sys.stdin.buffer.read()
 for _ in range(10):
     found = 0
@@ -89,14 +101,16 @@ for _ in range(10):
     if not found:
         break
     time.sleep(0.1)
-""" % JOB_ID_ENV
+""".replace("JOB_ID_ENV", JOB_ID_ENV)
 
 
 def _start_reaper(job_id: str) -> subprocess.Popen[bytes] | None:
     if not Path("/proc").is_dir():
         return None
     env = {k: v for k, v in os.environ.items() if k != JOB_ID_ENV}
-    return subprocess.Popen([sys.executable, "-S", "-c", _REAPER, job_id], stdin=subprocess.PIPE, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-S", "-c", _REAPER, job_id], stdin=subprocess.PIPE, env=env, start_new_session=True
+    )
 
 
 def _stop_reaper(reaper: subprocess.Popen[bytes] | None) -> None:
@@ -121,7 +135,9 @@ def _run_agent(cfg: DictConfig, command: list[str], env: dict[str, str], log: Pa
         try:
             while True:
                 try:
-                    return proc.wait(timeout=float(OmegaConf.select(cfg, "sweep.progress_every_s", default=PROGRESS_EVERY_S)))
+                    return proc.wait(
+                        timeout=float(OmegaConf.select(cfg, "sweep.progress_every_s", default=PROGRESS_EVERY_S))
+                    )
                 except subprocess.TimeoutExpired:
                     progress.report()
         except BaseException:

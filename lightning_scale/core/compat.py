@@ -229,7 +229,9 @@ def module_hooks_suspended(module: nn.Module) -> Iterator[None]:
     on meta tensors that a user's hook must not see). Private ``nn.Module._forward_hooks``,
     ``_forward_pre_hooks``, ``_backward_hooks`` and ``_backward_pre_hooks``. No public alternative
     (``torch.nn.modules.module`` has global hooks only)."""
-    saved = [(sub, name, getattr(sub, name)) for sub in module.modules() for name in _HOOK_TABLES if getattr(sub, name, None)]
+    saved = [
+        (sub, name, getattr(sub, name)) for sub in module.modules() for name in _HOOK_TABLES if getattr(sub, name, None)
+    ]
     for sub, name, _ in saved:
         setattr(sub, name, OrderedDict())
     try:
@@ -335,11 +337,19 @@ TORCH_SAVE_REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 """The ``(module, name)`` a ``torch.save``'d tensor's ``data.pkl`` rebuilds it with, from
 ``(storage, offset, size, stride, requires_grad, backward_hooks)``: private ``torch._utils._rebuild_tensor_v2``."""
 TORCH_SAVE_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}  # fmt: skip
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
 """The legacy storage class names (``torch.<name>``) ``data.pkl`` names in a storage's persistent id
 ``("storage", class, "0", location, numel)``, by dtype."""
 TORCH_SAVE_RECORDS = frozenset(
@@ -358,7 +368,9 @@ SHIMS: dict[str, Shim] = {
         tuple(f"torch.distributed.pipelining.stage._PipelineStageBase.{name}" for name in PIPELINE_STAGE_COMPUTE),
         ("PIPELINE_STAGE_COMPUTE",),
     ),
-    "forward_action_types": Shim(("torch.distributed.pipelining.schedules._ComputationType",), ("forward_action_types",)),
+    "forward_action_types": Shim(
+        ("torch.distributed.pipelining.schedules._ComputationType",), ("forward_action_types",)
+    ),
     "keep_lowered_actions": Shim(
         (
             "torch.distributed.pipelining.schedules._PipelineScheduleRuntime().pipeline_order_with_comms",
@@ -366,19 +378,27 @@ SHIMS: dict[str, Shim] = {
         ),
         ("keep_lowered_actions",),
     ),
-    "perform_reduce_grad": Shim(("torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad",), ("gradient_sync_held_off",)),
+    "perform_reduce_grad": Shim(
+        ("torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad",), ("gradient_sync_held_off",)
+    ),
     "fsdp_replicate": Shim(("torch.distributed._composable.replicate_with_fsdp.replicate",), ("fsdp_replicate",)),
     "module_parameters": Shim(("torch.nn.Module()._parameters",), ("module_parameters",)),
     "module_buffers": Shim(("torch.nn.Module()._buffers",), ("module_buffers",)),
     "module_children": Shim(("torch.nn.Module()._modules",), ("module_children",)),
     "apply_to_tensors": Shim(("torch.nn.Module._apply",), ("apply_to_tensors",)),
-    "module_hooks_suspended": Shim(tuple(f"torch.nn.Module().{name}" for name in _HOOK_TABLES), ("module_hooks_suspended",)),
+    "module_hooks_suspended": Shim(
+        tuple(f"torch.nn.Module().{name}" for name in _HOOK_TABLES), ("module_hooks_suspended",)
+    ),
     "foreach_norm": Shim(("torch._foreach_norm",), ("foreach_norm",)),
     "foreach_mul_": Shim(("torch._foreach_mul_",), ("foreach_mul_",)),
     "memory_tracker": Shim(("torch.distributed._tools.mem_tracker.MemTracker",), ("memory_tracker",)),
-    "create_cpu_state_dict": Shim(("torch.distributed._state_dict_utils._create_cpu_state_dict",), ("create_cpu_state_dict",)),
+    "create_cpu_state_dict": Shim(
+        ("torch.distributed._state_dict_utils._create_cpu_state_dict",), ("create_cpu_state_dict",)
+    ),
     "copy_state_dict": Shim(("torch.distributed._state_dict_utils._copy_state_dict",), ("copy_state_dict",)),
-    "dcp_fsspec_filesystem": Shim(("torch.distributed.checkpoint._fsspec_filesystem.FileSystem",), ("dcp_fsspec_filesystem",)),
+    "dcp_fsspec_filesystem": Shim(
+        ("torch.distributed.checkpoint._fsspec_filesystem.FileSystem",), ("dcp_fsspec_filesystem",)
+    ),
     "strip_protocol": Shim(
         ("fsspec.spec.AbstractFileSystem._strip_protocol",), ("strip_protocol",), f"fsspec {FSSPEC_VERSION}"
     ),
@@ -389,8 +409,12 @@ SHIMS: dict[str, Shim] = {
         ),
         ("DCP_METADATA_FILE", "DCP_DATA_FILE", "dcp_metadata_file"),
     ),
-    "dcp_storage_info_type": Shim(("torch.distributed.checkpoint.filesystem._StorageInfo",), ("dcp_storage_info_type",)),
-    "dcp_memory_format_encoding": Shim(("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",), ("dcp_memory_format_encoding",)),
+    "dcp_storage_info_type": Shim(
+        ("torch.distributed.checkpoint.filesystem._StorageInfo",), ("dcp_storage_info_type",)
+    ),
+    "dcp_memory_format_encoding": Shim(
+        ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",), ("dcp_memory_format_encoding",)
+    ),
     "torch_layout_pickle_name": Shim(("torch.serialization._get_layout",), ("TORCH_LAYOUT_PICKLE_NAME",)),
     "torch_save_layout": Shim(
         ("torch._utils._rebuild_tensor_v2", "torch.serialization._save"),

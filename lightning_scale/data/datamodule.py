@@ -180,7 +180,9 @@ class TextDataModule(LightningDataModule):
             self._root = self._resolve()
         return int(json.loads((self._root / META_FILE).read_text())["vocab_size"])
 
-    def _loader(self, split: str, shuffle: bool, loader_cls: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
+    def _loader(
+        self, split: str, shuffle: bool, loader_cls: type[DataLoader] = DataLoader, **kwargs: Any
+    ) -> DataLoader:
         dataset = self._datasets[split]
         dp_rank, dp_size = self._dp
         sampler = DataParallelSampler(
@@ -210,9 +212,7 @@ class TextDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader(
-            "train", self.shuffle, ResumableDataLoader, consumed_batches=self._consumed_train_batches
-        )
+        return self._loader("train", self.shuffle, ResumableDataLoader, consumed_batches=self._consumed_train_batches)
 
     @override
     def val_dataloader(self) -> DataLoader:

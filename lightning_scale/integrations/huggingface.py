@@ -24,10 +24,9 @@ Nothing here imports ``transformers``: models are recognised by their class's mo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import inspect
 
 import torch
 from torch import nn
@@ -36,8 +35,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_scale.core.checks import divisors, format_choices
 from lightning_scale.core.compat import module_children
-from lightning_scale.core.pipeline.spec import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.core.parallel.tensor_parallel import register_plan
+from lightning_scale.core.pipeline.spec import IGNORE_INDEX, PipelineSpec, labelled_tokens, register_pipeline_spec
 
 __all__ = [
     "HFBatches",
@@ -69,8 +68,10 @@ taken as they are (families that rescale embeddings inside ``forward``, like Gem
 
 def is_hf_model(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers ``PreTrainedModel`` (known by its class's module)."""
-    return type(module).__module__.startswith("transformers.") and hasattr(module, "config") and hasattr(
-        module, "base_model_prefix"
+    return (
+        type(module).__module__.startswith("transformers.")
+        and hasattr(module, "config")
+        and hasattr(module, "base_model_prefix")
     )
 
 
@@ -82,7 +83,9 @@ def _model_type(module: nn.Module) -> str:
 
 
 def _has_plan(module: nn.Module) -> bool:
-    return is_hf_model(module) and bool(getattr(module, "tp_plan", None) or getattr(module.config, "base_model_tp_plan", None))
+    return is_hf_model(module) and bool(
+        getattr(module, "tp_plan", None) or getattr(module.config, "base_model_tp_plan", None)
+    )
 
 
 def hf_tensor_parallel_plan(
@@ -92,7 +95,10 @@ def hf_tensor_parallel_plan(
     transformers' plans keep the residual stream replicated and gather the logits."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads)):
+    for name, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads),
+    ):
         if isinstance(value, int) and value % tp_size:
             raise ValueError(
                 f"{type(model).__name__} has {name}={value}, which tensor_parallel={tp_size} does not divide: each "
@@ -118,7 +124,11 @@ def hf_tensor_parallel_plan(
 
 
 def _supported_causal_lm(module: nn.Module) -> bool:
-    return is_hf_model(module) and type(module).__name__.endswith("ForCausalLM") and _model_type(module) in PIPELINE_FAMILIES
+    return (
+        is_hf_model(module)
+        and type(module).__name__.endswith("ForCausalLM")
+        and _model_type(module) in PIPELINE_FAMILIES
+    )
 
 
 def unsupported_pipeline_family(module: nn.Module) -> str | None:
@@ -169,9 +179,10 @@ class HFBatches:
 
     def __init__(self, base: nn.Module) -> None:
         params = inspect.signature(base.forward).parameters
-        self.model_inputs = frozenset(
-            name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ) - _NOT_FROM_BATCH
+        self.model_inputs = (
+            frozenset(name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+            - _NOT_FROM_BATCH
+        )
         self.convention: str | None = None  # of (input_ids, targets) pairs, once a batch showed it
 
     def describe(self) -> str:
@@ -204,7 +215,10 @@ class HFBatches:
         )
 
     def _shifted(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
-        if not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)) or inputs.shape != targets.shape:
+        if (
+            not (isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor))
+            or inputs.shape != targets.shape
+        ):
             raise ValueError(
                 f"(input_ids, targets) pairs for a Hugging Face model need targets of the inputs' shape, got "
                 f"{tuple(getattr(inputs, 'shape', ()))} and {tuple(getattr(targets, 'shape', ()))}."

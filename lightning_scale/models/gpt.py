@@ -89,9 +89,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.d_ff must be a positive integer or None, got {self.d_ff!r}")
         for name, allowed in (("positional", _POSITIONAL), ("norm", _NORMS), ("mlp", _MLPS)):
             if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"GPTConfig.{name}={getattr(self, name)!r} is not one of {format_choices(allowed)}."
-                )
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is not one of {format_choices(allowed)}.")
         if self.positional == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"GPTConfig: rotary positions rotate pairs of channels, so head_dim=d_model/n_heads="
@@ -145,9 +143,7 @@ PRESETS: dict[str, GPTConfig] = {
     # ~10.9M parameters on bytes: CPU benchmarks.
     "small": GPTConfig(vocab_size=256, block_size=512, n_layers=6, n_heads=6, d_model=384),
     # GPT-2 small (Radford et al. 2019): 124,439,808 parameters with tied embeddings.
-    "gpt2-124m": GPTConfig(
-        vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, bias=True
-    ),
+    "gpt2-124m": GPTConfig(vocab_size=50257, block_size=1024, n_layers=12, n_heads=12, d_model=768, bias=True),
     # GPT-2 medium: 354.8M.
     "350m": GPTConfig(vocab_size=50257, block_size=1024, n_layers=24, n_heads=16, d_model=1024, bias=True),
     # GPT-3 XL shape (Brown et al. 2020, table 2.1): 1.3B.

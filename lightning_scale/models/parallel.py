@@ -15,8 +15,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_scale.core.checks import divisors
-from lightning_scale.core.pipeline.spec import PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.core.parallel.tensor_parallel import register_plan
+from lightning_scale.core.pipeline.spec import PipelineSpec, labelled_tokens, register_pipeline_spec
 from lightning_scale.models.gpt import GPT
 
 __all__ = ["gpt_pipeline_spec", "gpt_tensor_parallel_plan", "language_model_loss"]
@@ -83,7 +83,9 @@ def gpt_tensor_parallel_plan(
     }
     if cfg.positional == "learned":
         # Rows are positions: with the sequence sharded each rank looks up its own slice.
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate())
+        plan["pos_emb"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        )
     if cfg.mlp == "swiglu":
         plan |= {
             "blocks.*.mlp.w1": ColwiseParallel(),
@@ -98,7 +100,9 @@ def gpt_tensor_parallel_plan(
             "blocks.*.mlp_norm": SequenceParallel(),
             "norm": SequenceParallel(),
             # Gather the sequence before the projections: (x, rotary) -> x replicated.
-            "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "blocks.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
             "blocks.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
     return plan

@@ -10,5 +10,11 @@ from lightning_scale.plugins.checkpoint_io import PREEMPTION_EXIT_CODE, ShardedC
 from lightning_scale.plugins.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from lightning_scale.plugins.precision import MixedPrecision
 
-__all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "STRAGGLER_EXIT_CODE", "HangWatchdog", "MixedPrecision",
-           "ShardedCheckpointIO"]
+__all__ = [
+    "HANG_EXIT_CODE",
+    "PREEMPTION_EXIT_CODE",
+    "STRAGGLER_EXIT_CODE",
+    "HangWatchdog",
+    "MixedPrecision",
+    "ShardedCheckpointIO",
+]

@@ -12,8 +12,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_scale.core.checkpoint.format import CheckpointCorruptError, read_listed
-from lightning_scale.core.checkpoint.state import decode, encode
 from lightning_scale.core.checkpoint.sharded import full_tensors_from
+from lightning_scale.core.checkpoint.state import decode, encode
 from lightning_scale.core.checkpoint.storage import AnyPath
 
 __all__ = [
@@ -73,7 +73,6 @@ def split_checkpoint(checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str
         if rank == 0 or isinstance(value, DTensor):
             tensors[key] = value
     return tensors, doc
-
 
 
 def optimizer_layout(checkpoint: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -209,7 +208,9 @@ def restored_optimizer(
             "configure_optimizers must build the same groups to resume."
         )
     for i, group in enumerate(groups):
-        restored["param_groups"].append({**group, **(saved_groups[i] if saved_groups else {}), "params": group["params"]})
+        restored["param_groups"].append(
+            {**group, **(saved_groups[i] if saved_groups else {}), "params": group["params"]}
+        )
     return restored
 
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from lightning_scale._lightning_compat import load_module_state, migrate_checkpoint
 from lightning_scale.core.checkpoint.format import is_shard_file, read_listed, read_manifest, verify
-from lightning_scale.core.checkpoint.state import decode
 from lightning_scale.core.checkpoint.sharded import load_sharded, read_tensor_metadata, verify_distributed
+from lightning_scale.core.checkpoint.state import decode
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path, is_url
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
@@ -74,9 +74,7 @@ def load_into(
         # Saved with weights only: Lightning itself says so if it wants the optimizers' state.
         template = {k: v for k, v in template.items() if k != "optimizer_states"}
     flat, numbers = flatten_template(template)
-    missing = load_sharded(
-        path, {**flat, **extras}, group=group, strict=strict, verified=True if verified else "files"
-    )
+    missing = load_sharded(path, {**flat, **extras}, group=group, strict=strict, verified=True if verified else "files")
     checkpoint = decode(doc, extras)
     checkpoint["state_dict"] = {
         k: v for k, v in (template.get("state_dict") or {}).items() if f"{MODEL}/{k}" not in missing

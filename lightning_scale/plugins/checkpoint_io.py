@@ -23,12 +23,12 @@ from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_scale.core.checks import check_positive_int
-from lightning_scale.core.checkpoint.format import CheckpointCorruptError, retained
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, retained
 from lightning_scale.core.checkpoint.sharded import StagingWriter, save_sharded, verify_distributed
-from lightning_scale.core.parallel.groups import distributed
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path
+from lightning_scale.core.checks import check_positive_int
+from lightning_scale.core.parallel.groups import distributed
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
     TRAINER_STATE,
@@ -147,7 +147,9 @@ class ShardedCheckpointIO(CheckpointIO):
             raise ValueError(f"keep_every={keep_every!r} needs keep_last (how many of the newest to keep) as well.")
         if auto_resume not in _AUTO_RESUME or not isinstance(auto_resume, (bool, str)):
             raise ValueError(f"auto_resume={auto_resume!r} must be one of {_AUTO_RESUME}.")
-        check_positive_int("thread_count", thread_count, fix="It is the number of threads writing a rank's shard files.")
+        check_positive_int(
+            "thread_count", thread_count, fix="It is the number of threads writing a rank's shard files."
+        )
         if metadata is not None:
             try:
                 json.dumps(dict(metadata))

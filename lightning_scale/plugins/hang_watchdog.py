@@ -56,7 +56,9 @@ class HangWatchdog(Callback):
     JSON line per hang in ``hang/events.jsonl``.
     """
 
-    def __init__(self, hang_timeout: Any = "auto", *, dirpath: str | os.PathLike | None = None, grace_s: float = 20.0) -> None:
+    def __init__(
+        self, hang_timeout: Any = "auto", *, dirpath: str | os.PathLike | None = None, grace_s: float = 20.0
+    ) -> None:
         self.policy = hang_timeout_policy(hang_timeout)
         self.dirpath = dirpath
         self.grace_s = grace_s

@@ -44,10 +44,17 @@ from lightning_scale.core.precision.grad_norm import (
     scale_grads_,
 )
 from lightning_scale.core.precision.loss_scaler import DynamicLossScaler
-from lightning_scale.core.precision.options import COMPUTE_DTYPE, NONFINITE_POLICIES, PRECISIONS, TRUE_DTYPE, PrecisionOptions
+from lightning_scale.core.precision.options import (
+    COMPUTE_DTYPE,
+    NONFINITE_POLICIES,
+    PRECISIONS,
+    TRUE_DTYPE,
+    PrecisionOptions,
+)
 from lightning_scale.plugins._lr_schedulers import hold_lr_schedulers_after_skipped_steps
 
 __all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision"]
+
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
@@ -110,10 +117,14 @@ class MixedPrecision(Precision):
         options = PrecisionOptions.of(
             precision,
             scaler=dict(
-                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
                 min_scale_policy=min_scale_policy,
-            ),  # fmt: skip
+            ),
             nonfinite_grads=nonfinite_grads,
             reduce_dtype=reduce_dtype,
             norm_type=norm_type,
@@ -122,7 +133,9 @@ class MixedPrecision(Precision):
         self.device = device
         self.scaler: DynamicLossScaler | None = None
         if options.scaler is not None:
-            self.scaler = DynamicLossScaler(**options.scaler, warn=lambda message: rank_zero_warn(message, category=RuntimeWarning))
+            self.scaler = DynamicLossScaler(
+                **options.scaler, warn=lambda message: rank_zero_warn(message, category=RuntimeWarning)
+            )
         self.nonfinite_grads = options.nonfinite_grads
         self.reduce_dtype = options.reduce_dtype
         self.norm_type = options.norm_type
@@ -177,7 +190,9 @@ class MixedPrecision(Precision):
         return self.device
 
     @override
-    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         if self.device is None:
             real = next((p for p in model.parameters() if not p.is_meta), None)
             if real is not None:
@@ -247,8 +262,12 @@ class MixedPrecision(Precision):
         return self._stats
 
     def _needs_stats(self, logging: bool = True) -> bool:
-        return (self.scaler is not None or self.nonfinite_grads != "ignore" or self.stats_every_step
-                or (self.log_grad_norm and logging))  # fmt: skip
+        return (
+            self.scaler is not None
+            or self.nonfinite_grads != "ignore"
+            or self.stats_every_step
+            or (self.log_grad_norm and logging)
+        )
 
     @override
     def optimizer_step(  # type: ignore[override]

@@ -166,7 +166,17 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store.port, fn, args, results, stack_files[r], timeout, {**os.environ, **(env or {})}),
+                args=(
+                    r,
+                    world_size,
+                    store.port,
+                    fn,
+                    args,
+                    results,
+                    stack_files[r],
+                    timeout,
+                    {**os.environ, **(env or {})},
+                ),
                 name=f"rank{r}",
             )
             for r in range(world_size)

@@ -29,7 +29,9 @@ class BlockStack(nn.Module):
     def __init__(self, blocks: Sequence[nn.Module] | None = None, dim: int = 32, vocab: int = 256) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(blocks if blocks is not None else [_mlp(dim) for _ in range(4)])})
+        self.blocks = nn.ModuleDict(
+            {str(i): b for i, b in enumerate(blocks if blocks is not None else [_mlp(dim) for _ in range(4)])}
+        )
         self.out = nn.Linear(dim, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,14 @@ class TinyViT(nn.Module):
     itself, outside every module a pipeline spec lists (``patch_embed``, ``blocks``, ``norm``, ``head``)."""
 
     def __init__(
-        self, image: int = 8, patch: int = 4, channels: int = 3, dim: int = 32, depth: int = 4, classes: int = 10, count: bool = False
+        self,
+        image: int = 8,
+        patch: int = 4,
+        channels: int = 3,
+        dim: int = 32,
+        depth: int = 4,
+        classes: int = 10,
+        count: bool = False,
     ) -> None:
         super().__init__()
         self.patch = patch
@@ -95,7 +104,8 @@ class TinyViT(nn.Module):
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
         self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True, norm_first=True) for _ in range(depth)
+            nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
@@ -122,7 +132,9 @@ class ViTModule(LightningModule):
 
     def pipeline_spec(self) -> tuple[str, PipelineSpec]:
         blocks = [f"blocks.{i}" for i in range(len(self.vit.blocks))]
-        return "vit", PipelineSpec(blocks=blocks, first=["patch_embed"], last=["norm", "head"], loss_fn=nn.functional.cross_entropy)
+        return "vit", PipelineSpec(
+            blocks=blocks, first=["patch_embed"], last=["norm", "head"], loss_fn=nn.functional.cross_entropy
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(self.vit(batch[0]), batch[1])

@@ -110,13 +110,24 @@ _SINGLE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def single_process(
-    config: GPTConfig, *, steps: int = STEPS, accumulate: int = 1, precision: str = "64-true", global_batch_size: int = 8
+    config: GPTConfig,
+    *,
+    steps: int = STEPS,
+    accumulate: int = 1,
+    precision: str = "64-true",
+    global_batch_size: int = 8,
 ) -> dict[str, Any]:
     """:func:`fit_gpt` on one process, run once per test session for each setting: every module's
     parity tests with the same model and settings share it. Treat the result as read-only."""
     key = (config, steps, accumulate, precision, global_batch_size)
     if key not in _SINGLE:
         _SINGLE[key] = fit_gpt(
-            "auto", 1, config, steps=steps, accumulate=accumulate, precision=precision, global_batch_size=global_batch_size
+            "auto",
+            1,
+            config,
+            steps=steps,
+            accumulate=accumulate,
+            precision=precision,
+            global_batch_size=global_batch_size,
         )
     return _SINGLE[key]

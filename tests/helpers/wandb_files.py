@@ -57,8 +57,12 @@ def offline_runs(root: Path) -> list[dict[str, Any]]:
             record.ParseFromString(raw)
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                info.update(id=record.run.run_id, group=record.run.run_group, job_type=record.run.job_type,
-                            project=record.run.project)  # fmt: skip
+                info.update(
+                    id=record.run.run_id,
+                    group=record.run.run_group,
+                    job_type=record.run.job_type,
+                    project=record.run.project,
+                )
                 items = record.run.config.update
             elif kind == "config":
                 items = record.config.update

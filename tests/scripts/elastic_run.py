@@ -84,7 +84,11 @@ def main(out: Path, layout: str, steps: int, checkpoints: bool = True, hang_at: 
         enable_model_summary=False,
         callbacks=[Journal(out)]
         + ([StallOnce(hang_at)] if hang_at is not None else [])
-        + ([ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")] if checkpoints else []),
+        + (
+            [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")]
+            if checkpoints
+            else []
+        ),
     )
     config = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16, tie_embeddings=True)
     module = GPTLightningModule(config, learning_rate=3e-3, warmup_steps=2)

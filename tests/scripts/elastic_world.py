@@ -42,7 +42,11 @@ class Events(Callback):
 
     def _write(self, trainer: Trainer, **record: Any) -> None:
         if trainer.global_rank == 0:
-            record |= {"world": trainer.world_size, "accumulation": trainer.accumulate_grad_batches, "time": time.time()}
+            record |= {
+                "world": trainer.world_size,
+                "accumulation": trainer.accumulate_grad_batches,
+                "time": time.time(),
+            }
             record["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             with open(self.out / "events.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -88,14 +92,18 @@ def main(out: Path, steps: int, pace_s: float) -> None:
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"),
         ],
     )
-    module = GPTLightningModule(GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16), learning_rate=3e-3, warmup_steps=2)
+    module = GPTLightningModule(
+        GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16), learning_rate=3e-3, warmup_steps=2
+    )
     data = TextDataModule(seq_len=16, global_batch_size=8, micro_batch_size=2)
     trainer.fit(module, datamodule=data)
     trainer.strategy.barrier()
     if trainer.global_rank == 0:  # plain DDP: every rank holds the whole model
         torch.save({k: v.detach().clone() for k, v in module.model.state_dict().items()}, out / "final.pt")
-        (out / "events.jsonl").open("a").write(json.dumps({"event": "end", "step": trainer.global_step,
-                                                           "world": trainer.world_size, "time": time.time()}) + "\n")  # fmt: skip
+        (out / "events.jsonl").open("a").write(
+            json.dumps({"event": "end", "step": trainer.global_step, "world": trainer.world_size, "time": time.time()})
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

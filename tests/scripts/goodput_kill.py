@@ -63,12 +63,21 @@ class Truth(Callback):
 def main(out: Path, steps: int, ckpt_every: int, kill_at: int, sleep_s: float) -> None:
     seed_everything(0, verbose=False)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=HybridParallelStrategy(data_parallel=2, hang_timeout=0),
-        default_root_dir=out, max_steps=steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=HybridParallelStrategy(data_parallel=2, hang_timeout=0),
+        default_root_dir=out,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[GoodputMonitor(progress_s=0.1), Truth(out, ckpt_every, kill_at, sleep_s),
-                   ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every, save_top_k=-1, filename="{step}")],
-    )  # fmt: skip
+        callbacks=[
+            GoodputMonitor(progress_s=0.1),
+            Truth(out, ckpt_every, kill_at, sleep_s),
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=ckpt_every, save_top_k=-1, filename="{step}"),
+        ],
+    )
     config = GPTConfig(n_layers=2, d_model=32, n_heads=2, block_size=16)
     trainer.fit(GPTLightningModule(config, warmup_steps=2), datamodule=TextDataModule(seq_len=16, global_batch_size=8))
 

@@ -19,7 +19,15 @@ from typing import Any
 
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath
 
-__all__ = ["CHECKSUMS", "DEFAULT_CHECKSUM", "StreamHash", "check_checksum", "file_checksum", "new_digest", "thread_pool"]
+__all__ = [
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
+    "StreamHash",
+    "check_checksum",
+    "file_checksum",
+    "new_digest",
+    "thread_pool",
+]
 
 CHECKSUMS = ("crc32", "sha256")
 DEFAULT_CHECKSUM = "crc32"
@@ -81,7 +89,9 @@ class StreamHash:
         self._running: Any = None
         self._error: BaseException | None = None
 
-    def update(self, data: bytes | memoryview, *, borrowed: bool = False, done: Callable[[], None] | None = None) -> None:
+    def update(
+        self, data: bytes | memoryview, *, borrowed: bool = False, done: Callable[[], None] | None = None
+    ) -> None:
         counted = 0 if borrowed else len(data)
         with self._changed:
             while self._error is None and self._waiting and self._waiting + counted > self._limit:

@@ -18,12 +18,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, file_checksum, thread_pool
 from lightning_scale.core.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointCorruptError,
 )
-from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, file_checksum, thread_pool
 from lightning_scale.core.checkpoint.storage import (
     AnyPath,
     RemotePath,
@@ -94,7 +94,9 @@ def _fsync_dir(path: AnyPath) -> None:
         os.close(fd)
 
 
-def write_manifest(staging: AnyPath, entries: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]) -> dict[str, Any]:
+def write_manifest(
+    staging: AnyPath, entries: Sequence[Mapping[str, Any]], metadata: Mapping[str, Any]
+) -> dict[str, Any]:
     """Write ``manifest.json`` into ``staging``: the files (every process's :func:`file_entries`), the
     format version, a time stamp and ``metadata`` (layout, step, versions, ...; JSON values only)."""
     paths = [e["path"] for e in entries]

@@ -139,7 +139,9 @@ def check_metadata(metadata: Metadata, manifest: Mapping[str, Any], where: str) 
     try:
         _check(metadata, manifest, where)
     except (AttributeError, TypeError, ValueError) as err:  # objects built without their fields, odd values
-        raise CheckpointCorruptError(f"{where} is not well-formed DCP metadata ({type(err).__name__}: {err}).") from None
+        raise CheckpointCorruptError(
+            f"{where} is not well-formed DCP metadata ({type(err).__name__}: {err})."
+        ) from None
 
 
 def _check(metadata: Metadata, manifest: Mapping[str, Any], where: str) -> None:

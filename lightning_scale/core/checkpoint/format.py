@@ -23,9 +23,15 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from lightning_scale.core.checks import check_positive_int
-from lightning_scale.core.checkpoint.checksums import CHECKSUMS, DEFAULT_CHECKSUM, check_checksum, file_checksum, new_digest
+from lightning_scale.core.checkpoint.checksums import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    check_checksum,
+    file_checksum,
+    new_digest,
+)
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
+from lightning_scale.core.checks import check_positive_int
 from lightning_scale.core.compat import DCP_DATA_FILE
 
 __all__ = [
@@ -160,9 +166,7 @@ def read_listed(path: AnyPath, manifest: Mapping[str, Any], name: str) -> bytes:
     return data
 
 
-def verify(
-    path: AnyPath, *, checksums: bool | Callable[[int, Mapping[str, Any]], bool] = True
-) -> dict[str, Any]:
+def verify(path: AnyPath, *, checksums: bool | Callable[[int, Mapping[str, Any]], bool] = True) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` after checking every file it lists: present, of the
     recorded size and (``checksums``) checksum. ``CheckpointCorruptError`` names the first bad file.
 

@@ -23,7 +23,9 @@ __all__ = ["by_parameter_name", "load_full_model_state", "load_full_optimizer_st
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-def load_full_model_state(module: nn.Module, state: Mapping[str, Any], *, strict: bool = True, partial: bool = False) -> None:
+def load_full_model_state(
+    module: nn.Module, state: Mapping[str, Any], *, strict: bool = True, partial: bool = False
+) -> None:
     """Load a whole-model state dict; ``partial``: a pipeline stage takes the entries it holds.
 
     Each rank copies its own shard out of each whole tensor, with no communication, one tensor at a

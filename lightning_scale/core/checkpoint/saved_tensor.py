@@ -131,7 +131,9 @@ def _record_start(head: memoryview, info: zipfile.ZipInfo) -> int:
     return at + _LOCAL_HEADER + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
 
 
-def _plain_range(storage: Any, offset: int, size: tuple, stride: tuple, data_start: int, room: int) -> TensorRange | None:
+def _plain_range(
+    storage: Any, offset: int, size: tuple, stride: tuple, data_start: int, room: int
+) -> TensorRange | None:
     """The byte range of a tensor rebuilt as ``_rebuild`` saw it, its storage record starting at
     ``data_start`` with ``room`` bytes (None: not one contiguous tensor of storage ``0`` inside them)."""
     if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage" and storage[2] == "0"):
@@ -168,7 +170,16 @@ def leading_tensor_range(head: memoryview | bytes, length: int) -> TensorRange |
             if name.endswith(b"/data/0") and _u16(head, at + 8) == 0:
                 return _plain_range(storage, offset, size, stride, _record_at(head, at), length - _record_at(head, at))
             at += 4
-    except (_NotPlain, ValueError, TypeError, IndexError, pickle.UnpicklingError, EOFError, AttributeError, MemoryError):
+    except (
+        _NotPlain,
+        ValueError,
+        TypeError,
+        IndexError,
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        MemoryError,
+    ):
         return None
     return None
 
@@ -202,7 +213,16 @@ def tensor_range(head: memoryview | bytes, directory: dict[str, zipfile.ZipInfo]
         storage, offset, size, stride = _TensorPickle(io.BytesIO(bytes(head[start : start + pkl.file_size]))).load()
         record = directory["data/0"]
         data_start = _record_start(head, record)
-    except (_NotPlain, ValueError, TypeError, IndexError, pickle.UnpicklingError, EOFError, AttributeError, MemoryError):
+    except (
+        _NotPlain,
+        ValueError,
+        TypeError,
+        IndexError,
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        MemoryError,
+    ):
         return None
     return _plain_range(storage, offset, size, stride, data_start, record.file_size)
 

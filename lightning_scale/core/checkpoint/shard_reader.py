@@ -31,14 +31,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
 from lightning_scale.core.checkpoint.checksums import StreamHash, thread_pool
-from lightning_scale.core.compat import dcp_fsspec_filesystem, dcp_metadata_file
 from lightning_scale.core.checkpoint.dcp_metadata import read_metadata
-from lightning_scale.core.checkpoint.saved_tensor import archive_directory, leading_tensor_range, stored_tensor, tensor_range
+from lightning_scale.core.checkpoint.format import MANIFEST, CheckpointCorruptError, entry_checksum, read_manifest
+from lightning_scale.core.checkpoint.saved_tensor import (
+    archive_directory,
+    leading_tensor_range,
+    stored_tensor,
+    tensor_range,
+)
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, as_path
+from lightning_scale.core.compat import dcp_fsspec_filesystem, dcp_metadata_file
 
 __all__ = ["SafeFileSystemReader", "ShardReader", "TensorsOnlyLoadPlanner", "dcp_filesystem", "dcp_id"]
+
 
 def dcp_filesystem(path: AnyPath) -> Any:
     """DCP's filesystem layer for ``path``: its local one, or its fsspec one for a URL."""
@@ -131,7 +137,8 @@ class ShardReader(SafeFileSystemReader):
         shared = _overlapping(plan.items, planner)
         # Files side by side (DCP writes ``thread_count`` files per rank): their reads and hashes overlap.
         results = [
-            thread_pool("load").submit(self._read_file, name, items, planner, shared) for name, items in per_file.items()
+            thread_pool("load").submit(self._read_file, name, items, planner, shared)
+            for name, items in per_file.items()
         ]
         errors = [e for e in (r.exception() for r in results) if e is not None]  # every file done first
         if errors:
@@ -264,7 +271,9 @@ class ShardReader(SafeFileSystemReader):
         if digest is not None:
             self.hashed.append(relative)
             if digest.hexdigest() != expected:
-                raise CheckpointCorruptError(f"{path} does not match its {algorithm} in {manifest}: corrupted.") from failure
+                raise CheckpointCorruptError(
+                    f"{path} does not match its {algorithm} in {manifest}: corrupted."
+                ) from failure
         if failure is not None:
             raise failure
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_scale.core.checkpoint.format import is_shard_file
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, new_digest
+from lightning_scale.core.checkpoint.format import is_shard_file
 from lightning_scale.core.checkpoint.shard_reader import dcp_filesystem, dcp_id
 from lightning_scale.core.checkpoint.storage import RemotePath, as_path
 from lightning_scale.core.compat import copy_state_dict, create_cpu_state_dict

@@ -31,10 +31,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_scale.core.checkpoint.commit import clear_in_place, commit, file_entries, staging_dir, write_manifest
-from lightning_scale.core.checkpoint.format import CheckpointCorruptError, is_shard_file, read_manifest, verify
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum
+from lightning_scale.core.checkpoint.commit import clear_in_place, commit, file_entries, staging_dir, write_manifest
 from lightning_scale.core.checkpoint.dcp_metadata import METADATA, read_metadata
+from lightning_scale.core.checkpoint.format import CheckpointCorruptError, is_shard_file, read_manifest, verify
 from lightning_scale.core.checkpoint.shard_reader import (
     SafeFileSystemReader,
     ShardReader,
@@ -42,8 +42,8 @@ from lightning_scale.core.checkpoint.shard_reader import (
     dcp_id,
 )
 from lightning_scale.core.checkpoint.shard_writer import StagingWriter
-from lightning_scale.core.parallel.groups import distributed, gather_objects, group_rank, group_size
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path, rmtree, write_durable
+from lightning_scale.core.parallel.groups import distributed, gather_objects, group_rank, group_size
 
 __all__ = [
     "SafeFileSystemReader",
@@ -58,6 +58,7 @@ __all__ = [
     "save_sharded",
     "verify_distributed",
 ]
+
 
 def read_tensor_metadata(path: AnyPath, manifest: Mapping[str, Any] | None = None) -> dict[str, TensorStorageMetadata]:
     """Every tensor a DCP checkpoint holds: its key, global size and dtype (``.properties.dtype``),
@@ -167,7 +168,9 @@ def finish_sharded(
     if problems:
         if rank == 0:
             rmtree(staging)
-        raise OSError(f"Saving the checkpoint {final} failed; earlier checkpoints are untouched. " + "; ".join(problems))
+        raise OSError(
+            f"Saving the checkpoint {final} failed; earlier checkpoints are untouched. " + "; ".join(problems)
+        )
     return final
 
 
@@ -281,16 +284,22 @@ def load_sharded(
     saved = tensor_entries(metadata) if metadata is not None else {}
     missing = [k for k in state if k not in saved]
     if missing and strict and problem is None:
-        problem = ("KeyError", (
-            f"The checkpoint {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} entries "
-            "missing). Load it into the model it was saved from, or non-strictly (LightningModule.strict_loading=False)."
-        ))  # fmt: skip
+        problem = (
+            "KeyError",
+            (
+                f"The checkpoint {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} entries "
+                "missing). Load it into the model it was saved from, or non-strictly (LightningModule.strict_loading=False)."
+            ),
+        )
     for key, tensor in state.items():
         if problem is None and key in saved and tuple(saved[key].size) != _global_shape(tensor):
-            problem = ("ValueError", (
-                f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint {path} and {_global_shape(tensor)} "
-                "here: the checkpoint is of another model configuration."
-            ))  # fmt: skip
+            problem = (
+                "ValueError",
+                (
+                    f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint {path} and {_global_shape(tensor)} "
+                    "here: the checkpoint is of another model configuration."
+                ),
+            )
     problem = next((p for p in gather_objects(problem, group) if p is not None), None)
     if problem is not None:
         kinds = {"KeyError": KeyError, "ValueError": ValueError, "CheckpointCorruptError": CheckpointCorruptError}

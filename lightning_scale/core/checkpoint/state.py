@@ -136,7 +136,9 @@ def decode(doc: Any, tensors: Mapping[str, Tensor]) -> Any:
         kind, payload = value[_TAG], value.get("v")
         if kind == "tensor":
             if payload not in tensors:
-                raise KeyError(f"The checkpoint's state refers to the tensor {payload!r}, which its shards do not hold.")
+                raise KeyError(
+                    f"The checkpoint's state refers to the tensor {payload!r}, which its shards do not hold."
+                )
             return tensors[payload]
         if kind == "float":
             return float(payload)
@@ -169,6 +171,8 @@ def decode(doc: Any, tensors: Mapping[str, Tensor]) -> Any:
             if cls is not None and dataclasses.is_dataclass(cls):
                 return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.init and f.name in fields})
             return fields  # its class is not loaded: the fields, as a dict
-        raise ValueError(f"Unknown tagged value {kind!r} in the checkpoint's state (written by a newer lightning-scale?).")
+        raise ValueError(
+            f"Unknown tagged value {kind!r} in the checkpoint's state (written by a newer lightning-scale?)."
+        )
 
     return walk(doc)

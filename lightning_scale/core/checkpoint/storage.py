@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
-from typing import IO, Any, Union
+from typing import IO, Any
 
 from lightning_scale.core.compat import dcp_fsspec_filesystem, strip_protocol
 
@@ -119,7 +119,7 @@ class RemotePath:
         self.fs.rm_file(self.path)
 
 
-AnyPath = Union[Path, RemotePath]
+AnyPath = Path | RemotePath
 
 
 def as_path(path: Any, storage_options: Mapping[str, Any] | None = None) -> AnyPath:

@@ -28,9 +28,7 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every
     parameters are unchanged, so state dicts and tensor/data-parallel hooks see the same model.
     """
     if mode not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(
-            f"activation_checkpointing={mode!r} is not one of {format_choices(ACTIVATION_CHECKPOINTING)}."
-        )
+        raise ValueError(f"activation_checkpointing={mode!r} is not one of {format_choices(ACTIVATION_CHECKPOINTING)}.")
     check_positive_int("activation_checkpointing_every", every)
     if mode == "none":
         return 0

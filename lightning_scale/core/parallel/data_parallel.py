@@ -125,7 +125,9 @@ def apply_data_parallel(
         fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=root_policy)
 
 
-def bf16_all_reduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_all_reduce_hook(
+    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: all-reduce the gradient bucket in bfloat16, then cast back.
 
     torch's ``bf16_compress_hook`` is refused by DDP (by its name) unless the backend is NCCL or

@@ -141,7 +141,9 @@ class DeferredInit:
     def num_tensors(self) -> int:
         return len(set(self._owner_of.values()))
 
-    def materialize(self, root: nn.Module, device: torch.device, seed: int, extra_roots: Iterable[nn.Module] = ()) -> list[str]:
+    def materialize(
+        self, root: nn.Module, device: torch.device, seed: int, extra_roots: Iterable[nn.Module] = ()
+    ) -> list[str]:
         """Allocate and initialise this rank's part of the (cut, sharded) ``root`` on ``device``.
 
         ``extra_roots``: modules outside ``root``'s tree that share its tensors (a pipeline rank's
@@ -189,8 +191,7 @@ class DeferredInit:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.default_generator.manual_seed(module_seed(seed, owner.name))
                 owner.init()
-            values = {attr: (params.get(attr) if owner.meta[attr][2] else buffers.get(attr))
-                      for attr in owner.meta}  # fmt: skip
+            values = {attr: (params.get(attr) if owner.meta[attr][2] else buffers.get(attr)) for attr in owner.meta}
         finally:
             params.clear()
             params.update(saved_params)
@@ -238,4 +239,6 @@ def _write(module: nn.Module, attr: str, tensor: Tensor, value: Tensor) -> None:
             tensor.copy_(value)
         else:
             # A buffer may change shape in its initialiser (a table computed from the config).
-            module_buffers(module)[attr] = value.to(device=tensor.device, dtype=tensor.dtype if value.is_floating_point() else value.dtype)
+            module_buffers(module)[attr] = value.to(
+                device=tensor.device, dtype=tensor.dtype if value.is_floating_point() else value.dtype
+            )

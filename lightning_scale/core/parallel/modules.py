@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TypeVar, Union
+from typing import TypeVar
 
 from torch import nn
 
@@ -11,7 +11,7 @@ __all__ = ["Matcher", "check_matcher", "outermost_registered", "tied_parameter_g
 
 T = TypeVar("T")
 
-Matcher = Union[type[nn.Module], Callable[[nn.Module], bool]]
+Matcher = type[nn.Module] | Callable[[nn.Module], bool]
 """What a registry entry applies to: an ``nn.Module`` subclass (and its subclasses), or a predicate
 on module instances (for families known by name only, such as Hugging Face's, without importing them)."""
 

@@ -31,7 +31,9 @@ def synchronize(device: torch.device) -> None:
 
 
 @contextmanager
-def stand_in_tensors(modules: Sequence[nn.Module], device: torch.device, skip: Sequence[nn.Module] = ()) -> Iterator[None]:
+def stand_in_tensors(
+    modules: Sequence[nn.Module], device: torch.device, skip: Sequence[nn.Module] = ()
+) -> Iterator[None]:
     """Random tensors on ``device`` in place of the meta tensors of ``modules`` (not of those inside
     ``skip``) while the block runs, for timing a model that is not materialised yet: only what runs
     is real. The meta tensors (the very objects, so ties and plans stay valid) come back after."""
@@ -160,7 +162,12 @@ def _measure(
 
 
 def cut_model(
-    root: nn.Module, spec: PipelineSpec, kind: str, num_stages: int, microbatches: int, example_batch: Any,
+    root: nn.Module,
+    spec: PipelineSpec,
+    kind: str,
+    num_stages: int,
+    microbatches: int,
+    example_batch: Any,
     device: torch.device,
 ) -> Partition:
     """Cut ``spec``'s blocks into ``num_stages`` stages: ``by_layers`` (equal block counts), ``by_params``

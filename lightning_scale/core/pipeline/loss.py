@@ -96,7 +96,9 @@ class MicroBatchLoss:
             self.weights = [1.0 / n] * n
         else:
             # One host synchronisation for all the counts.
-            counts = [int(c) for c in torch.stack([torch.as_tensor(self.loss_tokens(t)) for t in self.targets]).tolist()]
+            counts = [
+                int(c) for c in torch.stack([torch.as_tensor(self.loss_tokens(t)) for t in self.targets]).tolist()
+            ]
             total = sum(counts)
             # Nothing labelled in the whole batch: every micro-batch's loss is NaN, as one process's would be.
             self.weights = [c / total for c in counts] if total else [1.0 / n] * n

@@ -118,7 +118,11 @@ def _check(num_blocks: int, stages: int) -> None:
 
 
 def partition_by_layers(
-    num_blocks: int, stages: int, weights: Sequence[float] | None = None, first_cost: float = 0.0, last_cost: float = 0.0
+    num_blocks: int,
+    stages: int,
+    weights: Sequence[float] | None = None,
+    first_cost: float = 0.0,
+    last_cost: float = 0.0,
 ) -> Partition:
     """Equal block counts; ``weights`` (default 1 per block) only fill in the reported costs."""
     _check(num_blocks, stages)

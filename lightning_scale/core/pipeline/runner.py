@@ -28,8 +28,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_scale.core.pipeline.block_costs import cut_model
 from lightning_scale.core.parallel.modules import tied_parameter_groups
+from lightning_scale.core.pipeline.block_costs import cut_model
+from lightning_scale.core.pipeline.loss import MicroBatchLoss
 from lightning_scale.core.pipeline.partition import (
     V_SHAPED,
     bubble_fraction,
@@ -37,6 +38,7 @@ from lightning_scale.core.pipeline.partition import (
     check_stage_blocks,
     stage_ranks,
 )
+from lightning_scale.core.pipeline.schedules import build_schedule, forward_only_schedule, make_stages
 from lightning_scale.core.pipeline.spec import (
     PipelineSpec,
     StageForward,
@@ -47,8 +49,6 @@ from lightning_scale.core.pipeline.spec import (
     undeclared_buffers,
     undeclared_parameters,
 )
-from lightning_scale.core.pipeline.loss import MicroBatchLoss
-from lightning_scale.core.pipeline.schedules import build_schedule, forward_only_schedule, make_stages
 from lightning_scale.core.pipeline.ties import TiedCopies, check_ties_for_data_parallel
 from lightning_scale.core.pipeline.timing import StageTimer
 
@@ -103,14 +103,19 @@ class PipelineRunner:
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.pp_size, self.pp_rank = self.pp_mesh.size(), self.pp_mesh.get_local_rank()
         self._per_rank = check_stage_blocks(
-            num_blocks=len(spec.blocks), pipeline_parallel=self.pp_size, schedule=schedule, virtual_stages=virtual_stages
+            num_blocks=len(spec.blocks),
+            pipeline_parallel=self.pp_size,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
         )
         check_schedule_microbatches(schedule, self.pp_size, microbatches)
         self.num_stages = self.pp_size * self._per_rank
         if partition == "by_cost" and example_batch is None:
             raise ValueError("partition='by_cost' times every block on a real batch, but no example batch was given.")
         self.partition_kind = partition
-        self.partition = cut_model(root, spec, partition, self.num_stages, self.microbatches, example_batch, self.device)
+        self.partition = cut_model(
+            root, spec, partition, self.num_stages, self.microbatches, example_batch, self.device
+        )
         ranks = stage_ranks(schedule, self.pp_size, self.num_stages)
         self.local_stages = [s for s in range(self.num_stages) if ranks[s] == self.pp_rank]
         self.is_first = 0 in self.local_stages
@@ -163,11 +168,7 @@ class PipelineRunner:
             f"{self.partition_kind}, blocks per stage {[len(self.partition.blocks(s)) for s in range(self.num_stages)]}, "
             f"stage costs {costs}{' s' if by_cost else ''}, predicted bubble {bubble:.1%} ({self.schedule_name}, "
             f"{self.microbatches} micro-batches)"
-            + (
-                f"; on every stage, kept in step: {self.shared_parameters}"
-                if self.shared_parameters
-                else ""
-            )
+            + (f"; on every stage, kept in step: {self.shared_parameters}" if self.shared_parameters else "")
         )
 
     def _check_shared_for_data_parallel(self, root: nn.Module) -> None:
@@ -191,7 +192,9 @@ class PipelineRunner:
 
     def block_modules(self) -> list[nn.Module]:
         """This rank's blocks, in order."""
-        return [self._root.get_submodule(self._spec.blocks[b]) for s in self.local_stages for b in self.partition.blocks(s)]
+        return [
+            self._root.get_submodule(self._spec.blocks[b]) for s in self.local_stages for b in self.partition.blocks(s)
+        ]
 
     def stage_modules(self) -> list[nn.Module]:
         """The module each local stage runs: the pruned root itself, or one view per stage (each in a
@@ -304,7 +307,7 @@ class PipelineRunner:
         # must have the same size everywhere, whatever the model's precision.
         loss = torch.zeros((), device=self.device, dtype=torch.float64)
         if self.is_last:
-            loss = (torch.stack([_local(l.detach()).to(torch.float64) for l in losses]).sum() / scale)
+            loss = torch.stack([_local(l.detach()).to(torch.float64) for l in losses]).sum() / scale
         if self._replicas == 1:
             dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
         else:
@@ -314,7 +317,9 @@ class PipelineRunner:
             loss /= self._replicas * self.mesh["tp"].size()
         return loss
 
-    def train_step(self, inputs: Inputs, target: Any, scale: float, kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    def train_step(
+        self, inputs: Inputs, target: Any, scale: float, kwargs: Mapping[str, Any] | None = None
+    ) -> torch.Tensor:
         """Forward and backward of one batch; returns its (unscaled) loss on every rank.
 
         Each micro-batch's weighted loss is multiplied by ``scale`` before its backward. ``kwargs``:

@@ -233,7 +233,9 @@ def removed_modules(spec: PipelineSpec, keep: Sequence[int], is_first: bool, is_
     return drop
 
 
-def removed_module_called(error: BaseException | None, root: nn.Module, spec: PipelineSpec, removed: Sequence[str]) -> str | None:
+def removed_module_called(
+    error: BaseException | None, root: nn.Module, spec: PipelineSpec, removed: Sequence[str]
+) -> str | None:
     """The message for a stage's forward that called a module its stage does not hold (``None`` when
     ``error`` is something else): which module, on which line, and the ways out.
 
@@ -265,7 +267,9 @@ def removed_module_called(error: BaseException | None, root: nn.Module, spec: Pi
     )
 
 
-def prune_to_stage(root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool) -> nn.Module:
+def prune_to_stage(
+    root: nn.Module, spec: PipelineSpec, keep: Sequence[int], *, is_first: bool, is_last: bool
+) -> nn.Module:
     """Remove, in place, every block not in ``keep`` (indices into ``spec.blocks``), and the ``first``
     modules unless ``is_first`` and the ``last`` modules unless ``is_last``. Returns ``root``."""
     names = {n for n, _ in root.named_modules()}

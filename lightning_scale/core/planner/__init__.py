@@ -21,5 +21,18 @@ from lightning_scale.core.planner.search import Estimate, candidates, estimate, 
 from lightning_scale.core.planner.shape import ModelShape, model_shape
 from lightning_scale.core.planner.step_time import Efficiency
 
-__all__ = ["CLUSTERS", "Candidate", "Cluster", "Efficiency", "Estimate", "ModelShape", "Workload", "candidates",
-           "cluster", "estimate", "model_shape", "module_shape", "plan"]
+__all__ = [
+    "CLUSTERS",
+    "Candidate",
+    "Cluster",
+    "Efficiency",
+    "Estimate",
+    "ModelShape",
+    "Workload",
+    "candidates",
+    "cluster",
+    "estimate",
+    "model_shape",
+    "module_shape",
+    "plan",
+]

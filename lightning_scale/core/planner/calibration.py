@@ -31,9 +31,22 @@ from lightning_scale.core.planner.layout import Candidate, Workload
 from lightning_scale.core.planner.shape import ModelShape
 from lightning_scale.core.planner.step_time import estimate_time
 
-__all__ = ["CALIBRATION_ENV", "CPU_FITTED", "FITTED", "Observation", "calibrated", "calibration_key", "calibration_path",
-           "cluster_from_record", "default_fit", "fit_efficiency", "load_calibration", "observation_from_record",
-           "planner_record", "save_calibration"]
+__all__ = [
+    "CALIBRATION_ENV",
+    "CPU_FITTED",
+    "FITTED",
+    "Observation",
+    "calibrated",
+    "calibration_key",
+    "calibration_path",
+    "cluster_from_record",
+    "default_fit",
+    "fit_efficiency",
+    "load_calibration",
+    "observation_from_record",
+    "planner_record",
+    "save_calibration",
+]
 
 CALIBRATION_ENV = "LIGHTNING_SCALE_CALIBRATION"
 """The JSON file calibrations are stored in (default ``~/.cache/lightning_scale/calibration.json``)."""
@@ -91,12 +104,21 @@ def planner_record(
     """The planner's inputs for one run, as plain JSON values (``results.json``'s ``planner.inputs``)."""
     device = {**asdict(cluster.device), "flops": dict(cluster.device.flops)}
     return {
-        "shape": asdict(shape), "workload": asdict(workload), "candidate": asdict(candidate),
-        "cluster": {"key": calibration_key(cluster), "name": cluster.name, "devices_per_node": cluster.devices_per_node,
-                    "nodes": cluster.nodes, "nics_per_node": cluster.nics_per_node, "device": device,
-                    "intra": cluster.intra.name, "inter": cluster.inter.name},
+        "shape": asdict(shape),
+        "workload": asdict(workload),
+        "candidate": asdict(candidate),
+        "cluster": {
+            "key": calibration_key(cluster),
+            "name": cluster.name,
+            "devices_per_node": cluster.devices_per_node,
+            "nodes": cluster.nodes,
+            "nics_per_node": cluster.nics_per_node,
+            "device": device,
+            "intra": cluster.intra.name,
+            "inter": cluster.inter.name,
+        },
         "peak_flops": peak,
-    }  # fmt: skip
+    }
 
 
 def cluster_from_record(record: Any, where: str) -> Cluster:
@@ -111,8 +133,13 @@ def cluster_from_record(record: Any, where: str) -> Cluster:
     price = device.pop("price_key", None)
     if price is not None and not isinstance(price, str):
         raise ValueError(f"{where}: planner.inputs.cluster.device.price_key={price!r} is not a string.")
-    built = _typed(Device, device, f"{where}: planner.inputs.cluster.device", price_key=price,
-                   flops=tuple(sorted((k, float(v)) for k, v in flops.items())))  # fmt: skip
+    built = _typed(
+        Device,
+        device,
+        f"{where}: planner.inputs.cluster.device",
+        price_key=price,
+        flops=tuple(sorted((k, float(v)) for k, v in flops.items())),
+    )
     links = []
     for side in ("intra", "inter"):
         name = record.get(side)
@@ -124,10 +151,14 @@ def cluster_from_record(record: Any, where: str) -> Cluster:
         raise ValueError(f"{where}: planner.inputs.cluster sizes {sizes} are not integers.")
     name = record.get("name") if isinstance(record.get("name"), str) else "recorded"
     preset = next((c for c in CLUSTERS.values() if c.device.name == built.name), None)
-    nics = record.get("nics_per_node", preset.with_size(devices_per_node=sizes["devices_per_node"]).nics_per_node if preset else 1)
+    nics = record.get(
+        "nics_per_node", preset.with_size(devices_per_node=sizes["devices_per_node"]).nics_per_node if preset else 1
+    )
     if not isinstance(nics, int) or isinstance(nics, bool) or nics < 1:
         raise ValueError(f"{where}: planner.inputs.cluster.nics_per_node={nics!r} is not a positive integer.")
-    return Cluster(built, sizes["devices_per_node"], sizes["nodes"], links[0], links[1], name, base_efficiency(built), nics)
+    return Cluster(
+        built, sizes["devices_per_node"], sizes["nodes"], links[0], links[1], name, base_efficiency(built), nics
+    )
 
 
 def base_efficiency(device: Device) -> Efficiency:
@@ -175,13 +206,17 @@ def observation_from_record(record: Mapping[str, Any], step_time: float, where: 
         _typed(ModelShape, record.get("shape"), f"{where}: planner.inputs.shape"),
         _typed(Workload, record.get("workload"), f"{where}: planner.inputs.workload"),
         _typed(Candidate, record.get("candidate"), f"{where}: planner.inputs.candidate"),
-        float(step_time), None if peak is None else float(peak), name,
-    )  # fmt: skip
+        float(step_time),
+        None if peak is None else float(peak),
+        name,
+    )
 
 
 def _log_errors(observations: Sequence[Observation], cluster: Cluster, efficiency: Efficiency) -> list[float]:
     return [
-        math.log(estimate_time(o.shape, o.workload, o.candidate, cluster, efficiency, peak=o.peak).step_time / o.step_time)
+        math.log(
+            estimate_time(o.shape, o.workload, o.candidate, cluster, efficiency, peak=o.peak).step_time / o.step_time
+        )
         for o in observations
     ]
 
@@ -191,7 +226,10 @@ def _loss(observations: Sequence[Observation], cluster: Cluster, efficiency: Eff
 
 
 def fit_efficiency(
-    observations: Sequence[Observation], cluster: Cluster, *, fit: Sequence[str] | None = None,
+    observations: Sequence[Observation],
+    cluster: Cluster,
+    *,
+    fit: Sequence[str] | None = None,
     base: Efficiency | None = None,
 ) -> Efficiency:
     """The factors ``fit`` (of :class:`Efficiency`; default :func:`default_fit`) that minimise the squared
@@ -215,11 +253,16 @@ def fit_efficiency(
     best = _nelder_mead(observations, cluster, best, fit)
     errors = _log_errors(observations, cluster, best)
     rms = math.sqrt(sum(e * e for e in errors) / len(errors))
-    return replace(best, source=f"calibrated on {len(observations)} measured run(s) of {cluster.name} "
-                                f"({', '.join(fit)} fitted; rms log error {rms:.3f})")  # fmt: skip
+    return replace(
+        best,
+        source=f"calibrated on {len(observations)} measured run(s) of {cluster.name} "
+        f"({', '.join(fit)} fitted; rms log error {rms:.3f})",
+    )
 
 
-def _nelder_mead(observations: Sequence[Observation], cluster: Cluster, start: Efficiency, fit: Sequence[str]) -> Efficiency:
+def _nelder_mead(
+    observations: Sequence[Observation], cluster: Cluster, start: Efficiency, fit: Sequence[str]
+) -> Efficiency:
     """Refine ``start`` by Nelder and Mead's simplex over the logarithms of the fitted factors (each
     stays positive; ``dp_overlap`` below 1)."""
 
@@ -253,10 +296,15 @@ def _nelder_mead(observations: Sequence[Observation], cluster: Cluster, start: E
                 scored[-1] = (c_loss, contracted)
             else:  # shrink towards the best point
                 top = scored[0][1]
-                scored = [scored[0]] + [(loss(q), q) for q in ([t + 0.5 * (x - t) for t, x in zip(top, p, strict=True)]
-                                                               for _, p in scored[1:])]  # fmt: skip
+                scored = [scored[0]] + [
+                    (loss(q), q)
+                    for q in ([t + 0.5 * (x - t) for t, x in zip(top, p, strict=True)] for _, p in scored[1:])
+                ]
         scored.sort(key=lambda item: item[0])
-        if scored[-1][0] - scored[0][0] < 1e-14 and max(abs(a - b) for _, p in scored for a, b in zip(p, scored[0][1])) < 1e-6:
+        if (
+            scored[-1][0] - scored[0][0] < 1e-14
+            and max(abs(a - b) for _, p in scored for a, b in zip(p, scored[0][1])) < 1e-6
+        ):
             break
     return at(scored[0][1])
 
@@ -279,14 +327,20 @@ def _read_store(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"The calibration file {path} is not readable JSON ({err}); remove it or recalibrate.") from err
+        raise ValueError(
+            f"The calibration file {path} is not readable JSON ({err}); remove it or recalibrate."
+        ) from err
     if not isinstance(doc, dict):
-        raise ValueError(f"The calibration file {path} does not hold an object of calibrations; remove it or recalibrate.")
+        raise ValueError(
+            f"The calibration file {path} does not hold an object of calibrations; remove it or recalibrate."
+        )
     return doc
 
 
 def save_calibration(
-    cluster: Cluster, efficiency: Efficiency, observations: Iterable[Observation] = (),
+    cluster: Cluster,
+    efficiency: Efficiency,
+    observations: Iterable[Observation] = (),
     path: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Store ``efficiency`` for ``cluster``'s system (atomically: a crash leaves the old file)."""
@@ -294,8 +348,9 @@ def save_calibration(
     store = _read_store(target)
     store[calibration_key(cluster)] = {
         **{f.name: getattr(efficiency, f.name) for f in fields(Efficiency)},
-        "runs": [o.name for o in observations], "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }  # fmt: skip
+        "runs": [o.name for o in observations],
+        "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(store, indent=1, sort_keys=True))

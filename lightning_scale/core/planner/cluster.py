@@ -21,11 +21,24 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
-from lightning_scale.core.telemetry.cost import PRICES as PRICES_BY_KEY, Price
+from lightning_scale.core.telemetry.cost import PRICES as PRICES_BY_KEY
+from lightning_scale.core.telemetry.cost import Price
 from lightning_scale.core.telemetry.peaks import PEAKS, chip_of, measured_peak, processor
 
-__all__ = ["A100_FLASH", "CLUSTERS", "DEVICES", "HOPPER", "LINKS", "Cluster", "Device", "Efficiency", "Link", "cluster",
-           "cpu_cluster", "local_cluster"]
+__all__ = [
+    "A100_FLASH",
+    "CLUSTERS",
+    "DEVICES",
+    "HOPPER",
+    "LINKS",
+    "Cluster",
+    "Device",
+    "Efficiency",
+    "Link",
+    "cluster",
+    "cpu_cluster",
+    "local_cluster",
+]
 
 GiB = 2**30
 GB = 1e9
@@ -72,36 +85,59 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100 SXM 80GB", "H100 SXM", 79.6 * GiB, 3.35e12, "H100 SXM",
-               _NV + "h100/ (80 GB HBM3 at 3.35 TB/s; 79.6 GiB as torch reports it)"),
-        Device("H200 SXM 141GB", "H200 SXM", 139.8 * GiB, 4.8e12, "H200 SXM",
-               _NV + "h200/ (141 GB HBM3e at 4.8 TB/s; 139.8 GiB as torch reports it)"),
-        Device("A100 SXM 80GB", "A100", 79.2 * GiB, 2.039e12, "A100 80GB",
-               _NV + "a100/ (80 GB HBM2e at 2,039 GB/s)"),
-        Device("A100 SXM 40GB", "A100", 39.4 * GiB, 1.555e12, "A100 40GB",
-               _NV + "a100/ (40 GB HBM2 at 1,555 GB/s)"),
+        Device(
+            "H100 SXM 80GB",
+            "H100 SXM",
+            79.6 * GiB,
+            3.35e12,
+            "H100 SXM",
+            _NV + "h100/ (80 GB HBM3 at 3.35 TB/s; 79.6 GiB as torch reports it)",
+        ),
+        Device(
+            "H200 SXM 141GB",
+            "H200 SXM",
+            139.8 * GiB,
+            4.8e12,
+            "H200 SXM",
+            _NV + "h200/ (141 GB HBM3e at 4.8 TB/s; 139.8 GiB as torch reports it)",
+        ),
+        Device("A100 SXM 80GB", "A100", 79.2 * GiB, 2.039e12, "A100 80GB", _NV + "a100/ (80 GB HBM2e at 2,039 GB/s)"),
+        Device("A100 SXM 40GB", "A100", 39.4 * GiB, 1.555e12, "A100 40GB", _NV + "a100/ (40 GB HBM2 at 1,555 GB/s)"),
         Device("L4", "L4", 22.0 * GiB, 300e9, "L4", _NV + "l4/ (24 GB GDDR6 at 300 GB/s)"),
         Device("L40S", "L40S", 44.4 * GiB, 864e9, "L40S", _NV + "l40s/ (48 GB GDDR6 at 864 GB/s)"),
     )
-}  # fmt: skip
+}
 
 LINKS: dict[str, Link] = {
     link.name: link
     for link in (
         Link("nvlink4", 450 * GB, 5e-6, _NV + "nvlink/ (NVLink 4: 900 GB/s per GPU, both directions)"),
         Link("nvlink3", 300 * GB, 5e-6, _NV + "nvlink/ (NVLink 3: 600 GB/s per GPU, both directions)"),
-        Link("ib-ndr", 50 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (NDR 400 Gb/s per HCA; a "
-             "DGX H100 has 8, one per GPU)"),
-        Link("ib-hdr", 25 * GB, 10e-6, "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s per HCA; a "
-             "DGX A100 has 8, one per GPU)"),
+        Link(
+            "ib-ndr",
+            50 * GB,
+            10e-6,
+            "https://www.nvidia.com/en-us/networking/infiniband/ (NDR 400 Gb/s per HCA; a DGX H100 has 8, one per GPU)",
+        ),
+        Link(
+            "ib-hdr",
+            25 * GB,
+            10e-6,
+            "https://www.nvidia.com/en-us/networking/infiniband/ (HDR 200 Gb/s per HCA; a DGX A100 has 8, one per GPU)",
+        ),
         Link("pcie4", 25 * GB, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, about 25 GB/s through the host"),
         Link("ethernet-100g", 12.5 * GB, 30e-6, "100 Gb/s Ethernet, one port per node shared by its GPUs"),
-        Link("gloo-loopback", 0.5 * GB, 500e-6, "gloo over TCP on one host, measured (torch 2.13, two processes of "
-             "one thread on a 2-core AMD EPYC host at load average 1, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
-             "at 0.3 to 0.6 GB/s per device, all-reduces at about 1 GB/s, a 4 kB collective in 0.5 ms"),
+        Link(
+            "gloo-loopback",
+            0.5 * GB,
+            500e-6,
+            "gloo over TCP on one host, measured (torch 2.13, two processes of "
+            "one thread on a 2-core AMD EPYC host at load average 1, 2026-12-04): all-gathers and reduce-scatters of 1 to 16 MB "
+            "at 0.3 to 0.6 GB/s per device, all-reduces at about 1 GB/s, a 4 kB collective in 0.5 ms",
+        ),
         Link("ethernet-10g", 1.25 * GB, 100e-6, "10 Gb/s Ethernet between CPU hosts"),
     )
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -167,11 +203,18 @@ class Efficiency:
     def link(self, cluster: Cluster, link: Link) -> float:
         """Achieved bytes/s per device of ``link``; a CPU's collectives copy on the cores its processes
         share, so they slow down with the matmuls (the device's ``slowdown``)."""
-        return link.bandwidth * (self.intra_link if link is cluster.intra else self.inter_link) / cluster.device.slowdown
+        return (
+            link.bandwidth * (self.intra_link if link is cluster.intra else self.inter_link) / cluster.device.slowdown
+        )
 
 
 A100_MEGATRON = Efficiency(
-    compute=0.6, matmul_half=64.0, intra_link=0.78, inter_link=0.78, dp_overlap=0.0, pipeline_scatter_gather=True,
+    compute=0.6,
+    matmul_half=64.0,
+    intra_link=0.78,
+    inter_link=0.78,
+    dp_overlap=0.0,
+    pipeline_scatter_gather=True,
     source="A100 defaults (Megatron-LM), not calibrated: links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 "
     "of 300 GB/s); pipeline sends scattered over the tensor-parallel ranks (Narayanan et al. 2021, 4.1); no "
     "data-parallel overlap "
@@ -201,7 +244,9 @@ class Cluster:
     def __post_init__(self) -> None:
         check_positive_int("devices_per_node", self.devices_per_node, fix="It is the devices of one node.")
         check_positive_int("nodes", self.nodes, fix="It is the number of nodes.")
-        check_positive_int("nics_per_node", self.nics_per_node, fix="It is the NICs of one node on the inter-node link.")
+        check_positive_int(
+            "nics_per_node", self.nics_per_node, fix="It is the NICs of one node on the inter-node link."
+        )
         check_positive_number("device memory", self.device.memory)
 
     def device_price(self) -> Price | None:
@@ -230,8 +275,14 @@ class Cluster:
 
 
 HOPPER = Efficiency(
-    compute=0.65, matmul_half=256.0, attention=0.343, attention_half=576.0, elementwise=1.0, memory=0.8,
-    intra_link=0.7, inter_link=0.85,
+    compute=0.65,
+    matmul_half=256.0,
+    attention=0.343,
+    attention_half=576.0,
+    elementwise=1.0,
+    memory=0.8,
+    intra_link=0.7,
+    inter_link=0.85,
     source="H100/H200 defaults, not calibrated: attention from FlashAttention-2 on H100 (causal, head dim 128, "
     "forward and backward: 265 TFLOP/s at 2k, 328 at 16k); inter-node from nccl-tests (~350 GB/s bus bandwidth "
     "on nodes of 8 H200s with 8 NDR NICs); GEMM size from XLA's H100 table; the GEMM rate (0.65 of the peak) "
@@ -239,7 +290,12 @@ HOPPER = Efficiency(
 )
 """H100/H200 systems before calibration."""
 A100_FLASH = dataclasses.replace(
-    A100_MEGATRON, attention=0.625, attention_half=530.0, elementwise=1.0, memory=0.8, dp_overlap=Efficiency.dp_overlap,
+    A100_MEGATRON,
+    attention=0.625,
+    attention_half=530.0,
+    elementwise=1.0,
+    memory=0.8,
+    dp_overlap=Efficiency.dp_overlap,
     pipeline_scatter_gather=False,
     source="A100 defaults (flash attention), not calibrated: the GEMM rate and size of A100_MEGATRON (fitted on "
     "Narayanan et al. 2021), links at nccl-tests' 8 x A100 NVLink all-reduce (234.9 of 300 GB/s); attention from "
@@ -251,8 +307,9 @@ A100_FLASH = dataclasses.replace(
 benchmarks."""
 
 
-def _preset(name: str, device: str, per_node: int, intra: str, inter: str, efficiency: Efficiency | None = None,
-            nics: int = 1) -> Cluster:  # fmt: skip
+def _preset(
+    name: str, device: str, per_node: int, intra: str, inter: str, efficiency: Efficiency | None = None, nics: int = 1
+) -> Cluster:
     return Cluster(DEVICES[device], per_node, 1, LINKS[intra], LINKS[inter], name, efficiency or Efficiency(), nics)
 
 
@@ -270,14 +327,23 @@ CLUSTERS: dict[str, Cluster] = {
 """One node of each usual system; :func:`cluster` sets the node count."""
 
 
-_LINKS_OF_CHIP = {"H100 SXM": ("nvlink4", "ib-ndr", 8), "H200 SXM": ("nvlink4", "ib-ndr", 8), "A100": ("nvlink3", "ib-hdr", 8)}
+_LINKS_OF_CHIP = {
+    "H100 SXM": ("nvlink4", "ib-ndr", 8),
+    "H200 SXM": ("nvlink4", "ib-ndr", 8),
+    "A100": ("nvlink3", "ib-hdr", 8),
+}
 """The links (and NICs per node) of the usual systems built on a chip; any other chip: PCIe within a node,
 one Ethernet port between."""
 
 
 def local_cluster(
-    device_type: str, *, devices_per_node: int, nodes: int = 1, device_name: str | None = None,
-    device_memory: float | None = None, peak_flops: dict[str, float] | None = None,
+    device_type: str,
+    *,
+    devices_per_node: int,
+    nodes: int = 1,
+    device_name: str | None = None,
+    device_memory: float | None = None,
+    peak_flops: dict[str, float] | None = None,
 ) -> Cluster:
     """The cluster a run is on, from what its processes see: a CUDA device's name and memory (its chip's
     row of :data:`DEVICES` nearest that memory, the links of that chip's usual system) or this CPU host
@@ -299,8 +365,16 @@ def local_cluster(
     efficiency = preset.efficiency if preset is not None else Efficiency()
     if device_memory:
         device = replace(device, memory=float(device_memory))
-    return Cluster(device, devices_per_node, nodes, LINKS[intra], LINKS[inter], f"local-{chip}", efficiency,
-                   max(1, nics * devices_per_node // 8) if nics > 1 else 1)  # fmt: skip
+    return Cluster(
+        device,
+        devices_per_node,
+        nodes,
+        LINKS[intra],
+        LINKS[inter],
+        f"local-{chip}",
+        efficiency,
+        max(1, nics * devices_per_node // 8) if nics > 1 else 1,
+    )
 
 
 def _host_memory() -> float:
@@ -313,7 +387,13 @@ def _host_memory() -> float:
 
 
 CPU_EFFICIENCY = Efficiency(
-    compute=1.0, matmul_half=16.0, intra_link=1.0, inter_link=1.0, dp_overlap=0.0, memory=1.0, overhead=0.0,
+    compute=1.0,
+    matmul_half=16.0,
+    intra_link=1.0,
+    inter_link=1.0,
+    dp_overlap=0.0,
+    memory=1.0,
+    overhead=0.0,
     source="CPU defaults, not calibrated: the measured matmul rate, gloo's measured bandwidth and latency, no overlap (gloo runs in "
     "the training thread's turn); calibrate to fit this host",
 )
@@ -341,9 +421,19 @@ def cpu_cluster(*, devices_per_node: int, nodes: int = 1, peak_flops: dict[str, 
         peak_flops = cpu_peaks(devices_per_node)
     memory = _host_memory() / devices_per_node
     slowdown = _threads_per_core(devices_per_node)
-    device = Device(f"CPU ({processor()})", "cpu", memory, 10 * GB, None, "this host: /proc/meminfo shared by its processes; "
-                    "10 GB/s of memory bandwidth as an order of magnitude", tuple(sorted(peak_flops.items())), slowdown)  # fmt: skip
-    return Cluster(device, devices_per_node, nodes, LINKS["gloo-loopback"], LINKS["ethernet-10g"], "cpu", CPU_EFFICIENCY)
+    device = Device(
+        f"CPU ({processor()})",
+        "cpu",
+        memory,
+        10 * GB,
+        None,
+        "this host: /proc/meminfo shared by its processes; 10 GB/s of memory bandwidth as an order of magnitude",
+        tuple(sorted(peak_flops.items())),
+        slowdown,
+    )
+    return Cluster(
+        device, devices_per_node, nodes, LINKS["gloo-loopback"], LINKS["ethernet-10g"], "cpu", CPU_EFFICIENCY
+    )
 
 
 def cluster(name: str, *, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:

@@ -98,5 +98,9 @@ def describe_group(cluster: Cluster, eff: Efficiency, size: int, stride: int) ->
         link = cluster.intra.name
     else:
         nics = where.per_node * cluster.nics_per_node / cluster.devices_per_node
-        link = f"{cluster.inter.name} x {nics:g} NIC(s) per node" if bandwidth < _intra(cluster, eff) else cluster.intra.name
+        link = (
+            f"{cluster.inter.name} x {nics:g} NIC(s) per node"
+            if bandwidth < _intra(cluster, eff)
+            else cluster.intra.name
+        )
     return {"group": size, "per_node": where.per_node, "nodes": where.nodes, "link": link, "bus_bandwidth": bandwidth}

@@ -30,8 +30,13 @@ PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
 """Bytes of a parameter, of a gradient and of a matmul's output, per precision (mixed precision keeps
 fp32 parameters and gradients, and computes matmuls in 16 bits)."""
 
-COMPUTE_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16", "bf16-true": "bfloat16",
-                 "16-true": "float16"}  # fmt: skip
+COMPUTE_DTYPE = {
+    "32-true": "float32",
+    "bf16-mixed": "bfloat16",
+    "16-mixed": "float16",
+    "bf16-true": "bfloat16",
+    "16-true": "float16",
+}
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,13 @@ class Workload:
         check_positive_int("global_batch", self.global_batch, fix="It is the sequences per optimizer step.")
         check_positive_int("seq_len", self.seq_len, fix="It is the tokens per sequence.")
         if self.precision not in PRECISION_BYTES:
-            raise ValueError(f"precision={self.precision!r} is not one the planner knows: {format_choices(PRECISION_BYTES)}.")
+            raise ValueError(
+                f"precision={self.precision!r} is not one the planner knows: {format_choices(PRECISION_BYTES)}."
+            )
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r} is not one the planner knows: {format_choices(OPTIMIZERS)}.")
+            raise ValueError(
+                f"optimizer={self.optimizer!r} is not one the planner knows: {format_choices(OPTIMIZERS)}."
+            )
 
     @property
     def tokens(self) -> int:
@@ -140,7 +149,14 @@ class Candidate:
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("nosp")
         if self.pp > 1:
-            parts.append(self.schedule + (f"v{self.virtual_stages}" if self.stages_per_rank > 1 and self.schedule.startswith("interleaved") else ""))
+            parts.append(
+                self.schedule
+                + (
+                    f"v{self.virtual_stages}"
+                    if self.stages_per_rank > 1 and self.schedule.startswith("interleaved")
+                    else ""
+                )
+            )
         parts.append(f"mb{self.micro_batch}")
         if self.checkpointing != "none":
             parts.append("ac" if self.checkpointing == "full" else f"ac{self.checkpoint_every}")

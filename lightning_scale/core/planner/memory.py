@@ -245,8 +245,11 @@ def _rank_estimate(
         backward_only += logits * (8 + a) - overlap
     # A checkpointed block's activations are rebuilt in the backward once the blocks after it have
     # freed theirs, and the loss its logits: only what exceeds that adds to the peak.
-    last_checkpointed = 0 if checkpointed == 0 else (blocks - 1 if candidate.checkpointing == "full"
-                                                    else candidate.checkpoint_every * (checkpointed - 1))  # fmt: skip
+    last_checkpointed = (
+        0
+        if checkpointed == 0
+        else (blocks - 1 if candidate.checkpointing == "full" else candidate.checkpoint_every * (checkpointed - 1))
+    )
     freed = (blocks - 1 - last_checkpointed) * saved if checkpointed else 0.0
     gradient = 2 * kept * (candidate.tp if candidate.sequence_parallel else 1)  # the block's output gradient, twice
     terms["recompute"] = max(0.0, saved + gradient - freed - terms["logits"]) if checkpointed else 0.0
@@ -271,8 +274,13 @@ def _rank_estimate(
 
 
 def estimate_memory(
-    shape: ModelShape, workload: Workload, candidate: Candidate, *, framework: float = 0.0,
-    foreach: bool = True, pipeline_rank: int | None = None,
+    shape: ModelShape,
+    workload: Workload,
+    candidate: Candidate,
+    *,
+    framework: float = 0.0,
+    foreach: bool = True,
+    pipeline_rank: int | None = None,
 ) -> MemoryEstimate:
     """The peak bytes per device of one training step (after the first: optimizer state exists).
 
@@ -297,12 +305,21 @@ def estimate_memory(
         if foreach:
             temporary = params * pbytes / o_shard
         else:  # one parameter at a time: the largest
-            temporary = pbytes * max(shape.vocab_size, shape.d_ff, shape.attention_width) * shape.d_model / candidate.tp / o_shard
+            temporary = (
+                pbytes
+                * max(shape.vocab_size, shape.d_ff, shape.attention_width)
+                * shape.d_model
+                / candidate.tp
+                / o_shard
+            )
         step = (
-            params * pbytes / p_shard + params * gbytes / g_shard
+            params * pbytes / p_shard
+            + params * gbytes / g_shard
             + params * pbytes * OPTIMIZERS[workload.optimizer] / o_shard
-            + (temporary if OPTIMIZERS[workload.optimizer] else 0.0) + terms["ddp_buckets"] + framework
-        )  # fmt: skip
+            + (temporary if OPTIMIZERS[workload.optimizer] else 0.0)
+            + terms["ddp_buckets"]
+            + framework
+        )
         step_peak = step - sum(terms.values())
         terms["optimizer_step"] = max(0.0, step_peak)
         total = sum(terms.values())
@@ -313,7 +330,12 @@ def estimate_memory(
     where = "only" if candidate.pp == 1 else {0: "first", candidate.pp - 1: "last"}.get(rank, f"rank {rank}")
     saved, _ = _block_activation_bytes(shape, workload, candidate)
     m = candidate.microbatches(workload)
-    inputs = {"microbatches": m, "parameters_on_rank": params, "blocks_on_rank": rank_blocks(shape, candidate.pp),
-              "block_activation_bytes_per_microbatch": saved, "microbatches_in_flight": in_flight(candidate, m, rank),
-              "fsdp_mixed_precision": float(fsdp_mixed_precision(workload, candidate))}  # fmt: skip
+    inputs = {
+        "microbatches": m,
+        "parameters_on_rank": params,
+        "blocks_on_rank": rank_blocks(shape, candidate.pp),
+        "block_activation_bytes_per_microbatch": saved,
+        "microbatches_in_flight": in_flight(candidate, m, rank),
+        "fsdp_mixed_precision": float(fsdp_mixed_precision(workload, candidate)),
+    }
     return MemoryEstimate(terms, where, inputs)

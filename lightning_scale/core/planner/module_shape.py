@@ -78,7 +78,9 @@ def module_shape(module: nn.Module, name: str | None = None) -> ModelShape:
     inside = {id(m) for b in blocks for m in b.modules()}
     embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding) and id(m) not in inside]
     if not embeddings:
-        raise ValueError(f"The planner found no token embedding (an nn.Embedding outside the blocks) in {label}; {_FIX}.")
+        raise ValueError(
+            f"The planner found no token embedding (an nn.Embedding outside the blocks) in {label}; {_FIX}."
+        )
     outside = [m for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
     heads_out = {(m.out_features, m.in_features) for m in outside}
     # The token embedding: the one the output head maps back to, else the first registered (tok_emb, wte, embed_tokens).
@@ -93,7 +95,9 @@ def module_shape(module: nn.Module, name: str | None = None) -> ModelShape:
     mlp = d * d_ff + sum(a * b for a, b in ups)
     gated = len(ups) >= 2 or any(w[0] == 2 * d_ff for w in ups)
     if not ups:
-        raise ValueError(f"The planner found no MLP in {label}'s blocks (a ({d_ff}, {d}) weight beside the ({d}, {d_ff}) one); {_FIX}.")
+        raise ValueError(
+            f"The planner found no MLP in {label}'s blocks (a ({d_ff}, {d}) weight beside the ({d}, {d_ff}) one); {_FIX}."
+        )
     attention = sum(a * b for a, b in weights) - mlp
     block_modules = list(block.modules())
     heads_named = _attribute(iter(block_modules), _HEADS)
@@ -119,11 +123,20 @@ def module_shape(module: nn.Module, name: str | None = None) -> ModelShape:
     kv_heads = _attribute(iter(block_modules), _KV_HEADS) or kv_width // head_dim
     head = next((m for m in outside if tuple(m.weight.shape) == (vocab, d)), None)
     shape = ModelShape(
-        n_layers=len(blocks), d_model=d, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, d_ff=d_ff,
-        vocab_size=vocab, gated_mlp=gated, tied=head is None or head.weight is token.weight,
-        bias=any(p.dim() == 1 and p.numel() != d for p in block.parameters()), learned_positions=positions,
-        layernorm=any(isinstance(m, nn.LayerNorm) for m in block_modules), name=label,
-    )  # fmt: skip
+        n_layers=len(blocks),
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        vocab_size=vocab,
+        gated_mlp=gated,
+        tied=head is None or head.weight is token.weight,
+        bias=any(p.dim() == 1 and p.numel() != d for p in block.parameters()),
+        learned_positions=positions,
+        layernorm=any(isinstance(m, nn.LayerNorm) for m in block_modules),
+        name=label,
+    )
     counted = sum(p.numel() for p in module.parameters())
     if abs(shape.parameters - counted) > 0.01 * counted:
         raise ValueError(

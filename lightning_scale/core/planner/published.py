@@ -33,12 +33,28 @@ from dataclasses import dataclass, replace
 
 from lightning_scale.core.planner.cluster import A100_MEGATRON, DEVICES, HOPPER, Device, Efficiency, cluster
 from lightning_scale.core.planner.layout import CHECKPOINTING, Workload
+from lightning_scale.core.planner.published_tables import (
+    FOUNDRY,
+    FOUNDRY_FP8,
+    FOUNDRY_SHAPES,
+    KORTHIKANTI,
+    LLAMA3,
+    MCORE,
+    TORCHTITAN,
+)
 from lightning_scale.core.planner.search import Estimate, candidates, estimate
-from lightning_scale.core.planner.published_tables import FOUNDRY, FOUNDRY_FP8, FOUNDRY_SHAPES, KORTHIKANTI, LLAMA3, MCORE, TORCHTITAN
 from lightning_scale.core.planner.shape import ModelShape
 
-__all__ = ["NARAYANAN_2021", "RECORDS", "SOURCES", "PublishedRecord", "PublishedRun", "PublishedSource",
-           "megatron_flops_per_step", "predict"]
+__all__ = [
+    "NARAYANAN_2021",
+    "RECORDS",
+    "SOURCES",
+    "PublishedRecord",
+    "PublishedRun",
+    "PublishedSource",
+    "megatron_flops_per_step",
+    "predict",
+]
 
 SOURCE = "Narayanan et al. 2021, Table 1 (https://arxiv.org/abs/2104.04473)"
 
@@ -61,10 +77,19 @@ class PublishedRun:
     @property
     def shape(self) -> ModelShape:
         return ModelShape(
-            n_layers=self.layers, d_model=self.hidden, n_heads=self.heads, n_kv_heads=self.heads,
-            head_dim=self.hidden // self.heads, d_ff=4 * self.hidden, vocab_size=self.vocab, tied=True, bias=True,
-            learned_positions=self.seq_len, layernorm=True, name=f"GPT-{self.billions}B",
-        )  # fmt: skip
+            n_layers=self.layers,
+            d_model=self.hidden,
+            n_heads=self.heads,
+            n_kv_heads=self.heads,
+            head_dim=self.hidden // self.heads,
+            d_ff=4 * self.hidden,
+            vocab_size=self.vocab,
+            tied=True,
+            bias=True,
+            learned_positions=self.seq_len,
+            layernorm=True,
+            name=f"GPT-{self.billions}B",
+        )
 
     @property
     def dp(self) -> int:
@@ -140,34 +165,60 @@ class PublishedRecord:
 SOURCES: dict[str, PublishedSource] = {
     s.name: s
     for s in (
-        PublishedSource("korthikanti2022", "a100-sxm-80", A100_MEGATRON,
-                        "Korthikanti et al. 2022, Tables 3 and 5 (https://arxiv.org/abs/2205.05198); Megatron-LM's "
-                        "own kernels (no fused attention: the A100 constants fitted on Narayanan et al. 2021, unchanged)"),
-        PublishedSource("megatron_core_2024", "h100-sxm",
-                        replace(HOPPER, elementwise=0.5, tp_overlap=HOPPER.dp_overlap,
-                                source=HOPPER.source + "; Transformer Engine's fused kernels: half of eager's elementwise "
-                                "traffic (norms fused into the next linear, bias-GeLU and bias-dropout-add fused); "
-                                "tensor-parallel communication overlapped with the GEMMs (--tp-comm-overlap) as much as "
-                                "data-parallel (--overlap-grad-reduce, --overlap-param-gather)"),
-                        "NVIDIA/Megatron-LM README, weak scaling (images/model_table.png at core_r0.8.0)"),
-        PublishedSource("llm_foundry_2024", "h100-sxm",
-                        replace(HOPPER, attention=HOPPER.attention / 2.5,
-                                source=HOPPER.source + "; llm-foundry's Triton FlashAttention (attn_impl 'triton', its "
-                                "default in v0.3.0), at FlashAttention-2's rate / 2.5 (Dao 2023: FlashAttention-2 is "
-                                "1.3-2.5x faster than the Triton FlashAttention)"),
-                        "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 4952183 (H100 80GB BF16 tables); "
-                        "eager PyTorch under FSDP"),
-        PublishedSource("torchtitan_2024", "h100-sxm", HOPPER,
-                        "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e, first in "
-                        "docs/performance.md at d4c86e3): Llama 3.1 8B, 70B and 405B on 8 to 512 H100s; FSDP2, TP, "
-                        "PP, CP, float8 (torchao), torch.compile, async TP",
-                        replace(DEVICES["H100 SXM 80GB"], name="H100 SXM 96GB HBM2e (500 W)", chip="H100 NVL",
-                                memory=89.4 * 2**30, memory_bandwidth=2.4e12,
-                                source="torchtitan's footnote: 'HBM2e-based SXM H100 with lower TDP, the actual peak "
-                                "TFLOPs number is between SXM and NVL' (planned at the NVL column); 96 GB HBM2e at "
-                                "2.4 TB/s; 8 per host, 400 Gb/s RDMA per GPU")),
+        PublishedSource(
+            "korthikanti2022",
+            "a100-sxm-80",
+            A100_MEGATRON,
+            "Korthikanti et al. 2022, Tables 3 and 5 (https://arxiv.org/abs/2205.05198); Megatron-LM's "
+            "own kernels (no fused attention: the A100 constants fitted on Narayanan et al. 2021, unchanged)",
+        ),
+        PublishedSource(
+            "megatron_core_2024",
+            "h100-sxm",
+            replace(
+                HOPPER,
+                elementwise=0.5,
+                tp_overlap=HOPPER.dp_overlap,
+                source=HOPPER.source + "; Transformer Engine's fused kernels: half of eager's elementwise "
+                "traffic (norms fused into the next linear, bias-GeLU and bias-dropout-add fused); "
+                "tensor-parallel communication overlapped with the GEMMs (--tp-comm-overlap) as much as "
+                "data-parallel (--overlap-grad-reduce, --overlap-param-gather)",
+            ),
+            "NVIDIA/Megatron-LM README, weak scaling (images/model_table.png at core_r0.8.0)",
+        ),
+        PublishedSource(
+            "llm_foundry_2024",
+            "h100-sxm",
+            replace(
+                HOPPER,
+                attention=HOPPER.attention / 2.5,
+                source=HOPPER.source + "; llm-foundry's Triton FlashAttention (attn_impl 'triton', its "
+                "default in v0.3.0), at FlashAttention-2's rate / 2.5 (Dao 2023: FlashAttention-2 is "
+                "1.3-2.5x faster than the Triton FlashAttention)",
+            ),
+            "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 4952183 (H100 80GB BF16 tables); "
+            "eager PyTorch under FSDP",
+        ),
+        PublishedSource(
+            "torchtitan_2024",
+            "h100-sxm",
+            HOPPER,
+            "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e, first in "
+            "docs/performance.md at d4c86e3): Llama 3.1 8B, 70B and 405B on 8 to 512 H100s; FSDP2, TP, "
+            "PP, CP, float8 (torchao), torch.compile, async TP",
+            replace(
+                DEVICES["H100 SXM 80GB"],
+                name="H100 SXM 96GB HBM2e (500 W)",
+                chip="H100 NVL",
+                memory=89.4 * 2**30,
+                memory_bandwidth=2.4e12,
+                source="torchtitan's footnote: 'HBM2e-based SXM H100 with lower TDP, the actual peak "
+                "TFLOPs number is between SXM and NVL' (planned at the NVL column); 96 GB HBM2e at "
+                "2.4 TB/s; 8 per host, 400 Gb/s RDMA per GPU",
+            ),
+        ),
     )
-}  # fmt: skip
+}
 
 COMPILED = 0.72
 """The eager elementwise traffic ``torch.compile`` leaves a Llama block, counted per token for Llama 3 8B:
@@ -178,31 +229,91 @@ copies (``2 (H + K) Q`` of ``5 (H + K) Q``), SiLU and the product into one kerne
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, positions: int) -> ModelShape:
     """A GPT of Megatron's or MPT's kind: 4x MLP, biases, LayerNorm, tied embedding, learned positions."""
-    return ModelShape(n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
-                      d_ff=4 * hidden, vocab_size=vocab, tied=True, bias=True, learned_positions=positions,
-                      layernorm=True, name=name)  # fmt: skip
+    return ModelShape(
+        n_layers=layers,
+        d_model=hidden,
+        n_heads=heads,
+        n_kv_heads=heads,
+        head_dim=hidden // heads,
+        d_ff=4 * hidden,
+        vocab_size=vocab,
+        tied=True,
+        bias=True,
+        learned_positions=positions,
+        layernorm=True,
+        name=name,
+    )
 
 
 def _records() -> tuple[PublishedRecord, ...]:
     out = []
     for label, heads, hidden, layers, tp, pp, gpus, batch, micro, schedule, *seconds in KORTHIKANTI:
         shape = _gpt(f"GPT-{label}", layers, hidden, heads, 51200, 2048)
-        for experiment, time, ckpt, sp in zip(("full recompute", "present work"), seconds, ("full", "none"), (False, True)):
-            out.append(PublishedRecord("korthikanti2022", f"{label} {experiment}", shape, gpus, tp, pp, batch, 2048,
-                                       batch * 2048 / time / gpus, micro_batch=micro, checkpointing=ckpt,
-                                       sequence_parallel=sp, schedules=(schedule,)))  # fmt: skip
+        for experiment, time, ckpt, sp in zip(
+            ("full recompute", "present work"), seconds, ("full", "none"), (False, True)
+        ):
+            out.append(
+                PublishedRecord(
+                    "korthikanti2022",
+                    f"{label} {experiment}",
+                    shape,
+                    gpus,
+                    tp,
+                    pp,
+                    batch,
+                    2048,
+                    batch * 2048 / time / gpus,
+                    micro_batch=micro,
+                    checkpointing=ckpt,
+                    sequence_parallel=sp,
+                    schedules=(schedule,),
+                )
+            )
     for label, heads, hidden, layers, tp, pp, gpus, batch, tflops in MCORE:
         shape = _gpt(f"GPT-{label}", layers, hidden, heads, 131072, 4096)
-        out.append(PublishedRecord("megatron_core_2024", label, shape, gpus, tp, pp, batch, 4096,
-                                   tflops * 1e12 / shape.flops_per_token(4096), dp_mode="fsdp_grad_op", sequence_parallel=tp > 1,
-                                   schedules=(("1f1b", 1), *(("interleaved_1f1b", v) for v in range(2, layers // pp + 1)
-                                                             if (layers // pp) % v == 0 and layers % pp == 0))))  # fmt: skip
+        out.append(
+            PublishedRecord(
+                "megatron_core_2024",
+                label,
+                shape,
+                gpus,
+                tp,
+                pp,
+                batch,
+                4096,
+                tflops * 1e12 / shape.flops_per_token(4096),
+                dp_mode="fsdp_grad_op",
+                sequence_parallel=tp > 1,
+                schedules=(
+                    ("1f1b", 1),
+                    *(
+                        ("interleaved_1f1b", v)
+                        for v in range(2, layers // pp + 1)
+                        if (layers // pp) % v == 0 and layers % pp == 0
+                    ),
+                ),
+            )
+        )
     for i, (model, seq, gpus, micro, accumulation, ckpt, mode, tokens, _mfu) in enumerate(FOUNDRY):
         layers, hidden, heads = FOUNDRY_SHAPES[model]
         fp8 = i >= len(FOUNDRY) - FOUNDRY_FP8
-        out.append(PublishedRecord("llm_foundry_2024", f"{model} seq {seq} on {gpus}" + (" fp8" if fp8 else ""),
-                                   _gpt(model, layers, hidden, heads, 50368, seq), gpus, 1, 1, micro * accumulation * gpus,
-                                   seq, float(tokens), dp_mode=mode, micro_batch=micro, checkpointing=ckpt, float8=fp8))  # fmt: skip
+        out.append(
+            PublishedRecord(
+                "llm_foundry_2024",
+                f"{model} seq {seq} on {gpus}" + (" fp8" if fp8 else ""),
+                _gpt(model, layers, hidden, heads, 50368, seq),
+                gpus,
+                1,
+                1,
+                micro * accumulation * gpus,
+                seq,
+                float(tokens),
+                dp_mode=mode,
+                micro_batch=micro,
+                checkpointing=ckpt,
+                float8=fp8,
+            )
+        )
     return tuple(out)
 
 
@@ -210,14 +321,42 @@ def _torchtitan_records() -> tuple[PublishedRecord, ...]:
     out = []
     for model, gpus, fsdp, tp, pp, cp, local, seq, compiled, fp8, ckpt, async_tp, schedule, tokens, table in TORCHTITAN:
         layers, hidden, heads, kv, ffn = LLAMA3[model]
-        shape = ModelShape(n_layers=layers, d_model=hidden, n_heads=heads, n_kv_heads=kv, head_dim=hidden // heads, d_ff=ffn,
-                           vocab_size=128256, gated_mlp=True, tied=False, layernorm=False, name=f"Llama-3.1-{model}")  # fmt: skip
+        shape = ModelShape(
+            n_layers=layers,
+            d_model=hidden,
+            n_heads=heads,
+            n_kv_heads=kv,
+            head_dim=hidden // heads,
+            d_ff=ffn,
+            vocab_size=128256,
+            gated_mlp=True,
+            tied=False,
+            layernorm=False,
+            name=f"Llama-3.1-{model}",
+        )
         stack = ("compile" if compiled else "eager") + (" float8" if fp8 else "") + (" async-TP" if async_tp else "")
-        out.append(PublishedRecord("torchtitan_2024", f"{model} table {table} fsdp{fsdp} tp{tp} pp{pp} cp{cp} seq {seq} {stack}",
-                                   shape, gpus, tp, pp, local * fsdp, seq, float(tokens), dp_mode="fsdp",
-                                   micro_batch=local // pp, checkpointing=ckpt, sequence_parallel=tp > 1,
-                                   schedules=(schedule,) if schedule else (("1f1b", 1),), cp=cp, float8=fp8,
-                                   elementwise=COMPILED if compiled else 1.0, tp_overlap=async_tp))  # fmt: skip
+        out.append(
+            PublishedRecord(
+                "torchtitan_2024",
+                f"{model} table {table} fsdp{fsdp} tp{tp} pp{pp} cp{cp} seq {seq} {stack}",
+                shape,
+                gpus,
+                tp,
+                pp,
+                local * fsdp,
+                seq,
+                float(tokens),
+                dp_mode="fsdp",
+                micro_batch=local // pp,
+                checkpointing=ckpt,
+                sequence_parallel=tp > 1,
+                schedules=(schedule,) if schedule else (("1f1b", 1),),
+                cp=cp,
+                float8=fp8,
+                elementwise=COMPILED if compiled else 1.0,
+                tp_overlap=async_tp,
+            )
+        )
     return tuple(out)
 
 
@@ -236,18 +375,29 @@ def predict(record: PublishedRecord, efficiency: Efficiency | None = None) -> Es
         eff = replace(eff, elementwise=record.elementwise)
     if record.tp_overlap:
         eff = replace(eff, tp_overlap=eff.dp_overlap)
-    node = replace(cluster(source.cluster, nodes=math.ceil(record.gpus / per_node), devices_per_node=per_node), efficiency=eff)
+    node = replace(
+        cluster(source.cluster, nodes=math.ceil(record.gpus / per_node), devices_per_node=per_node), efficiency=eff
+    )
     if source.device is not None:
         node = replace(node, device=source.device)
     precision = "16-mixed" if record.source == "korthikanti2022" else "bf16-mixed"
     workload = Workload(record.global_batch, record.seq_len, precision)
     options = [
-        c for c in candidates(record.shape, workload, node, dp_modes=(record.dp_mode,), schedules=record.schedules,
-                              checkpointing=(record.checkpointing,) if record.checkpointing else CHECKPOINTING,
-                              sequence_parallel=record.sequence_parallel, max_micro_batch=record.micro_batch or 16,
-                              context_parallel=(record.cp,), float8=(record.float8,))
+        c
+        for c in candidates(
+            record.shape,
+            workload,
+            node,
+            dp_modes=(record.dp_mode,),
+            schedules=record.schedules,
+            checkpointing=(record.checkpointing,) if record.checkpointing else CHECKPOINTING,
+            sequence_parallel=record.sequence_parallel,
+            max_micro_batch=record.micro_batch or 16,
+            context_parallel=(record.cp,),
+            float8=(record.float8,),
+        )
         if (c.tp, c.pp) == (record.tp, record.pp) and record.micro_batch in (None, c.micro_batch)
-    ]  # fmt: skip
+    ]
     if not options:
         raise ValueError(f"{record.source} {record.label}: no candidate layout matches tp={record.tp}, pp={record.pp}.")
     estimates = [estimate(record.shape, workload, c, node) for c in options]

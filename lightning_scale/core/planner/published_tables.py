@@ -36,9 +36,14 @@ TFLOP/s / that count."""
 FOUNDRY_FP8 = 7
 """The last rows of :data:`FOUNDRY`: the FP8 table."""
 FOUNDRY_SHAPES = {  # layers, hidden, heads (vocabulary 50,368; learned positions as long as the sequence)
-    "mpt-760m": (24, 1536, 12), "mpt-1b": (24, 2048, 16), "mpt-3b": (32, 2560, 20), "mpt-7b": (32, 4096, 32),
-    "mpt-13b": (40, 5120, 40), "mpt-30b": (48, 7168, 56), "mpt-70b": (80, 8192, 64),
-}  # fmt: skip
+    "mpt-760m": (24, 1536, 12),
+    "mpt-1b": (24, 2048, 16),
+    "mpt-3b": (32, 2560, 20),
+    "mpt-7b": (32, 4096, 32),
+    "mpt-13b": (40, 5120, 40),
+    "mpt-30b": (48, 7168, 56),
+    "mpt-70b": (80, 8192, 64),
+}
 FOUNDRY = (  # model, sequence, GPUs, micro-batch, accumulation, checkpointing, FSDP mode, tokens/s per GPU, MFU %
     ("mpt-70b", 2048, 512, 8, 1, "full", "fsdp", 1007, 41.25),  # large
     ("mpt-70b", 2048, 256, 8, 1, "full", "fsdp", 1035, 42.42),  # large
@@ -125,8 +130,10 @@ published (the tables' MFU of the FP8 rows is against the float8 peak)."""
 
 
 LLAMA3 = {  # layers, hidden, heads, key/value heads, MLP width (vocabulary 128,256, untied, RMSNorm, rotary)
-    "8B": (32, 4096, 32, 8, 14336), "70B": (80, 8192, 64, 8, 28672), "405B": (126, 16384, 128, 8, 53248),
-}  # fmt: skip
+    "8B": (32, 4096, 32, 8, 14336),
+    "70B": (80, 8192, 64, 8, 28672),
+    "405B": (126, 16384, 128, 8, 53248),
+}
 TORCHTITAN = (  # model, GPUs, FSDP, tp, pp, cp, local batch, sequence, compile, float8, AC, async TP, schedule, tokens/s per GPU, table
     ("8B", 8, 8, 1, 1, 1, 2, 8192, False, False, "selective", False, None, 5762, 1),
     ("8B", 8, 8, 1, 1, 1, 2, 8192, True, False, "selective", False, None, 6667, 1),

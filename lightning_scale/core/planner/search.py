@@ -25,7 +25,12 @@ from lightning_scale.core.planner.step_time import Efficiency, TimeEstimate, est
 
 __all__ = ["PIPELINE_SCHEDULES", "UNMEASURED_SCHEDULES", "Estimate", "candidates", "estimate", "plan"]
 
-PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("interleaved_1f1b", 4),
+)
 """(schedule, stages per rank) the search tries when ``pp > 1``: those whose memory and step time
 ``benchmarks/planner.py`` measures. Not ranked unless asked for (``schedules=``): :data:`UNMEASURED_SCHEDULES`."""
 UNMEASURED_SCHEDULES: dict[str, str] = {
@@ -59,23 +64,33 @@ class Estimate:
     def metrics(self) -> dict[str, float]:
         """The predicted figures a run logs as ``plan/*``, beside what its telemetry measures."""
         return {
-            "plan/step_time": self.time.step_time, "plan/memory_per_device_gib": self.memory.total / 2**30,
-            "plan/tokens_per_sec": self.tokens_per_sec, "plan/mfu": self.mfu,
-        }  # fmt: skip
+            "plan/step_time": self.time.step_time,
+            "plan/memory_per_device_gib": self.memory.total / 2**30,
+            "plan/tokens_per_sec": self.tokens_per_sec,
+            "plan/mfu": self.mfu,
+        }
 
     def row(self) -> dict[str, object]:
         """The plan table's columns, as plain values (``plan.json``)."""
         return {
-            "layout": self.name, "fits": self.fits, "memory_per_device_gib": self.memory.total / 2**30,
-            "step_time_s": self.time.step_time, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu,
-            "usd_per_million_tokens": self.usd_per_million_tokens, "hours_to_budget": self.hours_to_budget,
+            "layout": self.name,
+            "fits": self.fits,
+            "memory_per_device_gib": self.memory.total / 2**30,
+            "step_time_s": self.time.step_time,
+            "tokens_per_sec": self.tokens_per_sec,
+            "mfu": self.mfu,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "hours_to_budget": self.hours_to_budget,
             "usd_to_budget": self.usd_to_budget,
-        }  # fmt: skip
+        }
 
 
 def _tp_sizes(shape: ModelShape, cluster: Cluster) -> list[int]:
-    return [t for t in divisors(cluster.devices_per_node)
-            if shape.n_heads % t == 0 and shape.n_kv_heads % t == 0 and shape.d_ff % t == 0]  # fmt: skip
+    return [
+        t
+        for t in divisors(cluster.devices_per_node)
+        if shape.n_heads % t == 0 and shape.n_kv_heads % t == 0 and shape.d_ff % t == 0
+    ]
 
 
 def _context_parallel_sizes(workload: Workload, ranks: int, asked: Sequence[int] | None) -> list[int]:
@@ -128,7 +143,11 @@ def candidates(
                 modes = [m for m in dp_modes if ranks > 1 or m == "ddp"]
                 group = t * p
                 shard = cluster.devices_per_node // group if cluster.devices_per_node % group == 0 else 0
-                sizes = [local] if p == 1 and not gradient_accumulation else [b for b in divisors(local) if b <= max_micro_batch]
+                sizes = (
+                    [local]
+                    if p == 1 and not gradient_accumulation
+                    else [b for b in divisors(local) if b <= max_micro_batch]
+                )
                 for mb in sizes:
                     m = local // mb
                     for schedule, v in schedules if p > 1 else (("1f1b", 1),):
@@ -142,10 +161,19 @@ def candidates(
                             for ckpt in checkpointing:
                                 for fp8 in fp8_options:
                                     yield Candidate(
-                                        dp=d, tp=t, pp=p, dp_mode=mode, schedule=schedule, virtual_stages=max(v, 1),
-                                        micro_batch=mb, checkpointing=ckpt, sequence_parallel=sequence_parallel and t > 1,
-                                        hsdp_shard=shard if mode == "hsdp" else 1, cp=c, float8=fp8,
-                                    )  # fmt: skip
+                                        dp=d,
+                                        tp=t,
+                                        pp=p,
+                                        dp_mode=mode,
+                                        schedule=schedule,
+                                        virtual_stages=max(v, 1),
+                                        micro_batch=mb,
+                                        checkpointing=ckpt,
+                                        sequence_parallel=sequence_parallel and t > 1,
+                                        hsdp_shard=shard if mode == "hsdp" else 1,
+                                        cp=c,
+                                        float8=fp8,
+                                    )
 
 
 def estimate(
@@ -194,14 +222,29 @@ def plan(
     Raises a ``ValueError`` when the cluster, model and batch admit no layout at all (e.g. a global
     batch that no data-parallel size divides), naming why."""
     found = [
-        estimate(shape, workload, c, cluster, efficiency, headroom=headroom, token_budget=token_budget, peak=peak,
-                 framework=framework)
+        estimate(
+            shape,
+            workload,
+            c,
+            cluster,
+            efficiency,
+            headroom=headroom,
+            token_budget=token_budget,
+            peak=peak,
+            framework=framework,
+        )
         for c in candidates(shape, workload, cluster, **search)  # type: ignore[arg-type]
-    ]  # fmt: skip
+    ]
     if not found:
         world = cluster.world_size
-        sizes = sorted({world // (t * p) for t in _tp_sizes(shape, cluster) for p in divisors(world // t)
-                        if world % t == 0 and p <= shape.n_layers})  # fmt: skip
+        sizes = sorted(
+            {
+                world // (t * p)
+                for t in _tp_sizes(shape, cluster)
+                for p in divisors(world // t)
+                if world % t == 0 and p <= shape.n_layers
+            }
+        )
         raise ValueError(
             f"No layout of {shape.name} on {world} devices splits global_batch={workload.global_batch}: the "
             f"data-parallel sizes these devices allow are {sizes}, and the global batch must be a multiple of "

@@ -75,8 +75,17 @@ class ModelShape:
     @property
     def block_parameters(self) -> int:
         norms = 2 * self._norm_parameters
-        biases = (self.attention_width + 2 * self.kv_width + self.d_model + self.d_ff * (2 if self.gated_mlp else 1)
-                  + self.d_model) if self.bias else 0  # fmt: skip
+        biases = (
+            (
+                self.attention_width
+                + 2 * self.kv_width
+                + self.d_model
+                + self.d_ff * (2 if self.gated_mlp else 1)
+                + self.d_model
+            )
+            if self.bias
+            else 0
+        )
         return self.block_matmul_parameters + norms + biases
 
     @property
@@ -132,7 +141,9 @@ class ModelShape:
         gradients of their outputs in the backward (``(H + 2 K) Q + d + F`` or ``2 F`` gated, ``+ d``)."""
         q = self.head_dim
         forward = 2 * self.d_model + self.n_heads * q + self.d_ff
-        backward = (self.n_heads + 2 * self.n_kv_heads) * q + 2 * self.d_model + self.d_ff * (2 if self.gated_mlp else 1)
+        backward = (
+            (self.n_heads + 2 * self.n_kv_heads) * q + 2 * self.d_model + self.d_ff * (2 if self.gated_mlp else 1)
+        )
         return float(forward + backward)
 
     def loss_bytes_per_token(self, activation_bytes: int) -> float:
@@ -164,12 +175,16 @@ def model_shape(config: Any, name: str | None = None) -> ModelShape:
     if isinstance(config, ModelShape):
         return config
     if any(_first(config, f) for f in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")):
-        raise ValueError(f"{type(config).__name__} is a mixture-of-experts config; the planner models dense decoders only.")
+        raise ValueError(
+            f"{type(config).__name__} is a mixture-of-experts config; the planner models dense decoders only."
+        )
     layers = _first(config, "n_layers", "num_hidden_layers", "n_layer")
     width = _first(config, "d_model", "hidden_size", "n_embd")
     heads = _first(config, "n_heads", "num_attention_heads", "n_head")
     vocab = _first(config, "vocab_size")
-    missing = [n for n, v in (("layers", layers), ("width", width), ("heads", heads), ("vocab_size", vocab)) if v is None]
+    missing = [
+        n for n, v in (("layers", layers), ("width", width), ("heads", heads), ("vocab_size", vocab)) if v is None
+    ]
     if missing:
         raise ValueError(
             f"Cannot read a decoder's shape from {type(config).__name__}: no {', '.join(missing)} "
@@ -188,11 +203,21 @@ def model_shape(config: Any, name: str | None = None) -> ModelShape:
         learned = _first(config, "block_size") or 0
     elif positional is None and _first(config, "n_positions") and not _first(config, "rope_theta", "rotary_pct"):
         learned = _first(config, "n_positions")  # GPT-2
-    norm = str(_first(config, "norm") or ("layernorm" if _first(config, "layer_norm_epsilon", "layer_norm_eps") else "rmsnorm"))
+    norm = str(
+        _first(config, "norm") or ("layernorm" if _first(config, "layer_norm_epsilon", "layer_norm_eps") else "rmsnorm")
+    )
     return ModelShape(
-        n_layers=int(layers), d_model=int(width), n_heads=int(heads), n_kv_heads=int(kv), head_dim=int(head_dim),
-        d_ff=int(d_ff), vocab_size=int(vocab), gated_mlp=gated, tied=bool(tied) if tied is not None else True,
+        n_layers=int(layers),
+        d_model=int(width),
+        n_heads=int(heads),
+        n_kv_heads=int(kv),
+        head_dim=int(head_dim),
+        d_ff=int(d_ff),
+        vocab_size=int(vocab),
+        gated_mlp=gated,
+        tied=bool(tied) if tied is not None else True,
         bias=bool(_first(config, "bias", "attention_bias") or _first(config, "model_type") in _BIASED),
         learned_positions=int(learned),
-        layernorm=norm == "layernorm", name=name or type(config).__name__,
-    )  # fmt: skip
+        layernorm=norm == "layernorm",
+        name=name or type(config).__name__,
+    )

@@ -46,8 +46,9 @@ class ScalingLaw:
 
 
 HOFFMANN_2022 = ScalingLaw(1.69, 406.4, 410.7, 0.34, 0.28, "Hoffmann et al. 2022, Approach 3 (arXiv 2203.15556)")
-BESIROGLU_2024 = ScalingLaw(1.8172, 482.01, 2085.43, 0.3478, 0.3658,
-                            "Besiroglu et al. 2024, refit of Hoffmann et al.'s data (arXiv 2404.10102)")  # fmt: skip
+BESIROGLU_2024 = ScalingLaw(
+    1.8172, 482.01, 2085.43, 0.3478, 0.3658, "Besiroglu et al. 2024, refit of Hoffmann et al.'s data (arXiv 2404.10102)"
+)
 LAWS = {"besiroglu2024": BESIROGLU_2024, "hoffmann2022": HOFFMANN_2022}
 
 
@@ -58,7 +59,9 @@ def fit_law(runs: Sequence[tuple[float, float, float]], *, delta: float = 1e-3) 
 
     Needs at least five runs that differ in both parameters and tokens (five coefficients)."""
     if len(runs) < 5:
-        raise ValueError(f"fit_law needs at least 5 runs (parameters, tokens, loss) to fit 5 coefficients; got {len(runs)}.")
+        raise ValueError(
+            f"fit_law needs at least 5 runs (parameters, tokens, loss) to fit 5 coefficients; got {len(runs)}."
+        )
     for n, d, loss in runs:
         for name, value in (("parameters", n), ("tokens", d), ("loss", loss)):
             check_positive_number(name, value)
@@ -70,18 +73,29 @@ def fit_law(runs: Sequence[tuple[float, float, float]], *, delta: float = 1e-3) 
     def objective(x: torch.Tensor) -> torch.Tensor:
         """Huber loss of log predicted against log observed, for each row of ``x`` (log A, log B, log E, alpha, beta)."""
         log_a, log_b, log_e, alpha, beta = (x[..., i : i + 1] for i in range(5))
-        predicted = torch.logsumexp(torch.stack([log_a - alpha * log_n, log_b - beta * log_d, log_e.expand(*x.shape[:-1], len(runs))]), dim=0)
-        return torch.nn.functional.huber_loss(predicted, log_l.expand_as(predicted), delta=delta, reduction="none").sum(-1)
+        predicted = torch.logsumexp(
+            torch.stack([log_a - alpha * log_n, log_b - beta * log_d, log_e.expand(*x.shape[:-1], len(runs))]), dim=0
+        )
+        return torch.nn.functional.huber_loss(predicted, log_l.expand_as(predicted), delta=delta, reduction="none").sum(
+            -1
+        )
 
     # A grid first (Hoffmann et al.'s way: the objective has local minima), then L-BFGS from its best points.
-    axes = [torch.arange(0.0, 25.1, 2.5), torch.arange(0.0, 25.1, 2.5), torch.arange(-1.0, 1.01, 0.5),
-            torch.arange(0.1, 0.81, 0.1), torch.arange(0.1, 0.81, 0.1)]  # fmt: skip
+    axes = [
+        torch.arange(0.0, 25.1, 2.5),
+        torch.arange(0.0, 25.1, 2.5),
+        torch.arange(-1.0, 1.01, 0.5),
+        torch.arange(0.1, 0.81, 0.1),
+        torch.arange(0.1, 0.81, 0.1),
+    ]
     grid = torch.cartesian_prod(*axes).to(torch.float64)
     starts = grid[objective(grid).argsort()[:8]]
     best: tuple[float, list[float]] | None = None
     for start in starts:
         x = start.clone().requires_grad_(True)
-        optimizer = torch.optim.LBFGS([x], max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15, line_search_fn="strong_wolfe")
+        optimizer = torch.optim.LBFGS(
+            [x], max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15, line_search_fn="strong_wolfe"
+        )
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()

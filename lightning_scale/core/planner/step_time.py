@@ -54,8 +54,13 @@ from dataclasses import dataclass, field
 
 from lightning_scale.core.pipeline.partition import bubble_fraction
 from lightning_scale.core.planner.cluster import Cluster, Efficiency
+from lightning_scale.core.planner.collectives import (
+    collective_time,
+    describe_group,
+    placement,
+    point_to_point_bandwidth,
+)
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
-from lightning_scale.core.planner.collectives import collective_time, describe_group, placement, point_to_point_bandwidth
 from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks, residual_bytes
 from lightning_scale.core.planner.shape import ModelShape
 
@@ -89,8 +94,14 @@ def _exposed(seconds: float, window: float, overlap: float) -> float:
 
 
 def estimate_time(
-    shape: ModelShape, workload: Workload, candidate: Candidate, cluster: Cluster, efficiency: Efficiency | None = None,
-    *, peak: float | None = None, explain: bool = False,
+    shape: ModelShape,
+    workload: Workload,
+    candidate: Candidate,
+    cluster: Cluster,
+    efficiency: Efficiency | None = None,
+    *,
+    peak: float | None = None,
+    explain: bool = False,
 ) -> TimeEstimate:
     """The step time of ``candidate`` on ``cluster`` (at ``efficiency``, else the cluster's); ``peak``
     overrides the device's FLOP/s (a CPU's measured one); ``explain``: also each term's inputs
@@ -119,7 +130,10 @@ def estimate_time(
     # A fused causal attention kernel executes half the FLOPs MFU counts, at its own rate; without one
     # (``attention`` 0) the full product runs as plain matmuls.
     if eff.attention:
-        attention_rate, executed = peak * eff.attention * (s / (s + eff.attention_half) if eff.attention_half else 1.0), 0.5
+        attention_rate, executed = (
+            peak * eff.attention * (s / (s + eff.attention_half) if eff.attention_half else 1.0),
+            0.5,
+        )
     else:
         attention_rate, executed = rate, 1.0
 
@@ -139,7 +153,11 @@ def estimate_time(
     block_bytes = shape.elementwise_bytes_per_token(a, residual) / t * tokens_mb
     if candidate.float8:  # each linear's input, weight and output gradient scaled (amax) and cast, unfused
         block_bytes += (shape.float8_cast_elements_per_token() * tokens_mb + 2 * shape.block_matmul_parameters) * 5 / t
-    elementwise = eff.elementwise * ((blocks + recomputed / 3) * block_bytes + shape.loss_bytes_per_token(a) / t * tokens_mb) / hbm
+    elementwise = (
+        eff.elementwise
+        * ((blocks + recomputed / 3) * block_bytes + shape.loss_bytes_per_token(a) / t * tokens_mb)
+        / hbm
+    )
 
     # A collective's step waits for every member to run: processes sharing cores wait their turn too.
     slowdown = cluster.device.slowdown
@@ -151,8 +169,9 @@ def estimate_time(
     # parallel embedding and loss a few small ones per micro-batch.
     sp_messages = 2 if candidate.sequence_parallel else 1
     tp_collectives = sp_messages * (4 * blocks + 2 * recomputed) + 4
-    tp_time = framework * collective_time(cluster, eff, "all_reduce", (4 * blocks + 2 * recomputed + 1) * tp_bytes, t, 1,
-                                          tp_collectives)  # fmt: skip
+    tp_time = framework * collective_time(
+        cluster, eff, "all_reduce", (4 * blocks + 2 * recomputed + 1) * tp_bytes, t, 1, tp_collectives
+    )
     tp_time += tp_collectives * issued if t > 1 else 0.0
     tp_time = _exposed(tp_time, compute, eff.tp_overlap)
 
@@ -161,7 +180,9 @@ def estimate_time(
     cp_time = 0.0
     if c > 1:
         kv_bytes = 2 * shape.kv_width * tokens_mb * a / t
-        cp_time = collective_time(cluster, eff, "all_gather", 3 * (blocks + recomputed) * c * kv_bytes, c, t * p, 3 * (blocks + recomputed))
+        cp_time = collective_time(
+            cluster, eff, "all_gather", 3 * (blocks + recomputed) * c * kv_bytes, c, t * p, 3 * (blocks + recomputed)
+        )
         cp_time = _exposed(cp_time, attention_flops * executed / attention_rate * (blocks + recomputed), eff.dp_overlap)
 
     p2p = 0.0
@@ -188,9 +209,16 @@ def estimate_time(
         grads = params_rank * gbytes  # reduced in fp32 (FSDP2's reduce dtype under mixed precision)
         backward = per_mb * 2 / 3  # the last micro-batch's backward: where the gradients are reduced
         if candidate.dp_mode == "ddp":  # DDP's buckets: one flat buffer each, reduced from C++
-            reduce = collective_time(cluster, eff, "all_reduce", grads, d, stride, max(1, math.ceil(grads / _DDP_BUCKET)))
+            reduce = collective_time(
+                cluster, eff, "all_reduce", grads, d, stride, max(1, math.ceil(grads / _DDP_BUCKET))
+            )
             dp_time = _exposed(reduce, backward, eff.dp_overlap)
-            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": 0.0, "reduced_bytes": grads, "buckets": max(1, math.ceil(grads / _DDP_BUCKET))}
+            dp_inputs = {
+                "dp_reduce_s": reduce,
+                "dp_gather_s": 0.0,
+                "reduced_bytes": grads,
+                "buckets": max(1, math.ceil(grads / _DDP_BUCKET)),
+            }
         else:
             # One all-gather and one reduce-scatter per sharded unit (each block, and the root's rest);
             # FSDP2 gathers in the compute dtype under mixed precision.
@@ -208,11 +236,21 @@ def estimate_time(
             # under fsdp; the first forward under a pipeline); the reduction only behind the last backward.
             window = per_mb / 3 if p > 1 else (m * per_mb / 3 if candidate.dp_mode == "fsdp_grad_op" else m * per_mb)
             dp_time = _exposed(gather, window, eff.dp_overlap) + _exposed(reduce, backward, eff.dp_overlap)
-            dp_inputs = {"dp_reduce_s": reduce, "dp_gather_s": gather, "gathered_bytes": gathered, "gathers": gathers,
-                         "reduced_bytes": grads, "shard_group": shard}  # fmt: skip
+            dp_inputs = {
+                "dp_reduce_s": reduce,
+                "dp_gather_s": gather,
+                "gathered_bytes": gathered,
+                "gathers": gathers,
+                "reduced_bytes": grads,
+                "shard_group": shard,
+            }
 
     states = OPTIMIZERS[workload.optimizer]
-    o_shard = d if candidate.dp_mode in ("fsdp", "fsdp_grad_op") else (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else 1)
+    o_shard = (
+        d
+        if candidate.dp_mode in ("fsdp", "fsdp_grad_op")
+        else (candidate.hsdp_shard if candidate.dp_mode == "hsdp" else 1)
+    )
     traffic = params_rank / o_shard * (2 * pbytes + gbytes + 2 * states * pbytes)
     optimizer = traffic / (cluster.device.memory_bandwidth * eff.memory)
 
@@ -234,31 +272,69 @@ def estimate_time(
         "optimizer": optimizer,
     }
     model_flops = shape.flops_per_token(s) * workload.tokens
-    hardware_flops = model_flops + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
-    inputs = {"peak_flops": peak, "matmul_rate": rate, "attention_rate": attention_rate, "memory_bandwidth": hbm,
-              "microbatches": m, "bubble_fraction": bubble, "slowdown": slowdown, **dp_inputs}  # fmt: skip
+    hardware_flops = (
+        model_flops
+        + recomputed / max(blocks, 1) * shape.n_layers * shape.block_flops_per_token(s) / 3 * workload.tokens
+    )
+    inputs = {
+        "peak_flops": peak,
+        "matmul_rate": rate,
+        "attention_rate": attention_rate,
+        "memory_bandwidth": hbm,
+        "microbatches": m,
+        "bubble_fraction": bubble,
+        "slowdown": slowdown,
+        **dp_inputs,
+    }
     if not explain:
         return TimeEstimate(terms, model_flops, hardware_flops, inputs)
     group = {k: v for k, v in describe_group(cluster, eff, d, t * p).items() if k != "group"} if d > 1 else {}
     details: dict[str, dict[str, float | str]] = {
-        "compute": {"gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
-                    "microbatches": m, "gemm_rate": rate, "smallest_gemm_dim": smallest, "float8": str(candidate.float8)},
-        "attention": {"flops_counted_per_microbatch": blocks * attention_flops, "executed_share": executed,
-                      "attention_rate": attention_rate, "seq_len": s},
-        "elementwise": {"bytes_per_microbatch": elementwise * hbm, "memory_bandwidth_achieved": hbm,
-                        "traffic_factor": eff.elementwise},
+        "compute": {
+            "gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
+            "microbatches": m,
+            "gemm_rate": rate,
+            "smallest_gemm_dim": smallest,
+            "float8": str(candidate.float8),
+        },
+        "attention": {
+            "flops_counted_per_microbatch": blocks * attention_flops,
+            "executed_share": executed,
+            "attention_rate": attention_rate,
+            "seq_len": s,
+        },
+        "elementwise": {
+            "bytes_per_microbatch": elementwise * hbm,
+            "memory_bandwidth_achieved": hbm,
+            "traffic_factor": eff.elementwise,
+        },
         "recompute": {"checkpointed_blocks": recomputed, "blocks": blocks},
-        "tensor_parallel": {**describe_group(cluster, eff, t, 1), "bytes_per_microbatch": (4 * blocks + 2 * recomputed + 1) * tp_bytes,
-                            "collectives_per_microbatch": tp_collectives if t > 1 else 0, "overlap": eff.tp_overlap},
-        "context_parallel": {**describe_group(cluster, eff, c, t * p), "kv_bytes_per_block": 2 * shape.kv_width * tokens_mb * a / t,
-                             "overlap": eff.dp_overlap},
-        "pipeline_transfers": {"sends_per_microbatch": 2 * candidate.stages_per_rank if p > 1 else 0,
-                               "bytes_per_send": tokens_mb * shape.d_model / (t if candidate.sequence_parallel else 1) * a if p > 1 else 0.0,
-                               "crosses_nodes": str(p > 1 and placement(cluster, p, t).nodes > 1)},
-        "bubble": {"schedule": candidate.schedule if p > 1 else "none", "bubble_fraction": bubble, "microbatches": m,
-                   "stages_per_rank": candidate.stages_per_rank},
+        "tensor_parallel": {
+            **describe_group(cluster, eff, t, 1),
+            "bytes_per_microbatch": (4 * blocks + 2 * recomputed + 1) * tp_bytes,
+            "collectives_per_microbatch": tp_collectives if t > 1 else 0,
+            "overlap": eff.tp_overlap,
+        },
+        "context_parallel": {
+            **describe_group(cluster, eff, c, t * p),
+            "kv_bytes_per_block": 2 * shape.kv_width * tokens_mb * a / t,
+            "overlap": eff.dp_overlap,
+        },
+        "pipeline_transfers": {
+            "sends_per_microbatch": 2 * candidate.stages_per_rank if p > 1 else 0,
+            "bytes_per_send": tokens_mb * shape.d_model / (t if candidate.sequence_parallel else 1) * a
+            if p > 1
+            else 0.0,
+            "crosses_nodes": str(p > 1 and placement(cluster, p, t).nodes > 1),
+        },
+        "bubble": {
+            "schedule": candidate.schedule if p > 1 else "none",
+            "bubble_fraction": bubble,
+            "microbatches": m,
+            "stages_per_rank": candidate.stages_per_rank,
+        },
         "data_parallel": {"mode": candidate.dp_mode, "group": d, **group, **dp_inputs, "overlap": eff.dp_overlap},
         "overhead": {"seconds_per_block": eff.overhead, "slowdown": slowdown},
         "optimizer": {"bytes": traffic, "memory_bandwidth_achieved": cluster.device.memory_bandwidth * eff.memory},
-    }  # fmt: skip
+    }
     return TimeEstimate(terms, model_flops, hardware_flops, inputs, details)

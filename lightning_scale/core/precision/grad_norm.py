@@ -60,7 +60,9 @@ def total_grad_norm(
         norm = torch.nn.utils.get_total_norm(same_kind, norm_type=norm_type)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         norms.append(norm.to(dtype=torch.float64))
-    local = torch.linalg.vector_norm(torch.stack(norms), ord=norm_type) if norms else torch.zeros((), dtype=torch.float64)
+    local = (
+        torch.linalg.vector_norm(torch.stack(norms), ord=norm_type) if norms else torch.zeros((), dtype=torch.float64)
+    )
     if group is None or dist.get_world_size(group) == 1:
         return local
     if norm_type == float("inf"):
@@ -108,7 +110,9 @@ class GradientScope:
     counts (a weight tied across stages).
     """
 
-    def __init__(self, mesh: DeviceMesh | None = None, *, stage_dim: str | None = None, excluded: Iterable[int] = ()) -> None:
+    def __init__(
+        self, mesh: DeviceMesh | None = None, *, stage_dim: str | None = None, excluded: Iterable[int] = ()
+    ) -> None:
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
         if stage_dim is not None and stage_dim not in names:
             raise ValueError(f"stage_dim={stage_dim!r} is not a dimension of the mesh {names}.")

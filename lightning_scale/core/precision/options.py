@@ -93,8 +93,10 @@ class PrecisionOptions:
             reduce_dtype = _REDUCE_DTYPES[reduce_dtype]
         elif reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES.values():
             raise ValueError(f"reduce_dtype={reduce_dtype!r} must be torch.float32, torch.bfloat16 or torch.float16.")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
-            norm_type == math.inf or norm_type > 0
+        if (
+            isinstance(norm_type, bool)
+            or not isinstance(norm_type, (int, float))
+            or not (norm_type == math.inf or norm_type > 0)
         ):
             raise ValueError(f"norm_type={norm_type!r} must be a positive number or inf.")
         return cls(

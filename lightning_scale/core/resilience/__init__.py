@@ -17,5 +17,18 @@ from lightning_scale.core.resilience.goodput import GoodputSummary, Ledger, read
 from lightning_scale.core.resilience.stragglers import STRAGGLER_EXIT_CODE, SlowStreaks, record_exclusion
 from lightning_scale.core.resilience.watchdog import HANG_EXIT_CODE, HangTimeout, StepWatchdog, hang_timeout_policy
 
-__all__ = ["HANG_EXIT_CODE", "STRAGGLER_EXIT_CODE", "GoodputSummary", "HangTimeout", "Ledger", "SlowStreaks", "StepWatchdog",
-           "check_launched_world", "hang_timeout_policy", "launched_sizes", "read_ledger", "record_exclusion", "summarize"]
+__all__ = [
+    "HANG_EXIT_CODE",
+    "STRAGGLER_EXIT_CODE",
+    "GoodputSummary",
+    "HangTimeout",
+    "Ledger",
+    "SlowStreaks",
+    "StepWatchdog",
+    "check_launched_world",
+    "hang_timeout_policy",
+    "launched_sizes",
+    "read_ledger",
+    "record_exclusion",
+    "summarize",
+]

@@ -58,11 +58,23 @@ HANG_EVENTS = ("hang", "events.jsonl")  # the watchdog's, under the run director
 
 _NUMBER, _INT, _STR, _BOOL = "number", "int", "str", "bool"
 _FIELDS: dict[str, dict[str, tuple[str, bool]]] = {  # event -> field -> (kind, may be null)
-    "start": {"attempt": (_STR, False), "time": (_NUMBER, False), "step": (_INT, False), "relaunch": (_BOOL, False),
-              "resumed_step": (_INT, True), "resumed_commit": (_NUMBER, True), "restart_count": (_INT, False),
-              "pid": (_INT, False)},  # fmt: skip
+    "start": {
+        "attempt": (_STR, False),
+        "time": (_NUMBER, False),
+        "step": (_INT, False),
+        "relaunch": (_BOOL, False),
+        "resumed_step": (_INT, True),
+        "resumed_commit": (_NUMBER, True),
+        "restart_count": (_INT, False),
+        "pid": (_INT, False),
+    },
     "first_step": {"attempt": (_STR, False), "time": (_NUMBER, False), "step": (_INT, False)},
-    "checkpoint": {"attempt": (_STR, False), "time": (_NUMBER, False), "step": (_INT, False), "blocking_s": (_NUMBER, False)},
+    "checkpoint": {
+        "attempt": (_STR, False),
+        "time": (_NUMBER, False),
+        "step": (_INT, False),
+        "blocking_s": (_NUMBER, False),
+    },
     "end": {"attempt": (_STR, False), "time": (_NUMBER, False), "step": (_INT, False), "status": (_STR, False)},
     "progress": {"attempt": (_STR, False), "time": (_NUMBER, False), "step": (_INT, False)},
 }
@@ -129,9 +141,16 @@ class Ledger:
         """One parsed event (:func:`parse_event`) into its attempt; ``ValueError`` for an attempt never started."""
         kind, time = event["event"], event["time"]
         if kind == "start":
-            self.attempts.append(Attempt(
-                event["attempt"], time, event["step"], event["relaunch"], event["resumed_step"], event["resumed_commit"]
-            ))  # fmt: skip
+            self.attempts.append(
+                Attempt(
+                    event["attempt"],
+                    time,
+                    event["step"],
+                    event["relaunch"],
+                    event["resumed_step"],
+                    event["resumed_commit"],
+                )
+            )
             return
         attempt = next((a for a in reversed(self.attempts) if a.id == event["attempt"]), None)
         if attempt is None:
@@ -199,7 +218,9 @@ def _hang(obj: Any) -> tuple[float | None, float]:
     if not isinstance(obj, dict) or obj.get("event") != "hang" or not _is(_NUMBER, obj.get("time")):
         return None, 0.0
     declared = float(obj["time"])
-    records = [r for r in obj["records"].values() if isinstance(r, dict)] if isinstance(obj.get("records"), dict) else []
+    records = (
+        [r for r in obj["records"].values() if isinstance(r, dict)] if isinstance(obj.get("records"), dict) else []
+    )
     timed = [r for r in records if _is(_NUMBER, r.get("step_s"))]
     starts = [float(r["unix_s"]) - float(r["step_s"]) for r in timed if _is(_NUMBER, r.get("unix_s"))]
     if starts:
@@ -286,8 +307,14 @@ def summarize(attempts: list[Attempt], *, now: float | None = None) -> GoodputSu
         later, last = run[i + 1 :], i == len(run) - 1
         stop = max(_stop(a, now if last else None), a.start)
         finished = a.hang[0] if a.hang is not None and a.end is None else stop  # the hang's declaration ends it
-        row = {"attempt": a.id, "start": a.start, "resumed_step": a.resumed_step, "first_step": a.first_step,
-               "stopped": stop, "status": a.end[0] if a.end else ("hang" if a.hang else ("running" if now and last else "killed"))}  # fmt: skip
+        row = {
+            "attempt": a.id,
+            "start": a.start,
+            "resumed_step": a.resumed_step,
+            "first_step": a.first_step,
+            "stopped": stop,
+            "status": a.end[0] if a.end else ("hang" if a.hang else ("running" if now and last else "killed")),
+        }
         startup = (min(a.first_step, stop) if a.first_step is not None else stop) - a.start
         kept_s = lost_s = blocked = 0.0
         if a.first_step is not None:
@@ -313,12 +340,26 @@ def summarize(attempts: list[Attempt], *, now: float | None = None) -> GoodputSu
             trained = next((b.first_step for b in later if b.first_step is not None), None)
             if trained is not None:
                 recoveries.append(trained - stop)
-        rows.append({**row, "startup_s": startup, "productive_s": kept_s, "lost_s": lost_s, "checkpoint_s": blocked,
-                     "hang_detection_s": hang})  # fmt: skip
+        rows.append(
+            {
+                **row,
+                "startup_s": startup,
+                "productive_s": kept_s,
+                "lost_s": lost_s,
+                "checkpoint_s": blocked,
+                "hang_detection_s": hang,
+            }
+        )
     total = end - run[0].start
     return GoodputSummary(
-        total_s=total, **parts, rendezvous_s=rendezvous, unaccounted_s=total - sum(parts.values()),
+        total_s=total,
+        **parts,
+        rendezvous_s=rendezvous,
+        unaccounted_s=total - sum(parts.values()),
         goodput=parts["productive_s"] / total if total > 0 else None,
         mttr_s=sum(recoveries) / len(recoveries) if recoveries else None,
-        attempts=len(run), interruptions=len(run) - 1, hangs=sum(a.hang is not None for a in run), per_attempt=rows,
-    )  # fmt: skip
+        attempts=len(run),
+        interruptions=len(run) - 1,
+        hangs=sum(a.hang is not None for a in run),
+        per_attempt=rows,
+    )

@@ -130,7 +130,9 @@ def laggards(records: Mapping[int, Mapping[str, Any]], world_size: int) -> dict[
                     found[rank] = f"{found[rank]}; {note}" if rank in found else note
     for rank in range(world_size):
         if rank not in records:
-            found[rank] = "wrote no record: its process is dead, unreachable, or holds the interpreter lock in native code"
+            found[rank] = (
+                "wrote no record: its process is dead, unreachable, or holds the interpreter lock in native code"
+            )
     return dict(sorted(found.items()))
 
 

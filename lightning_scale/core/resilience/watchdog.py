@@ -286,15 +286,22 @@ class StepWatchdog:
         elif owner is not beat:  # no phase entered in this step yet
             phase, started = PHASES[0], beat.step_started
         return {
-            "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
             "batch": beat.batch if beat is not None else self._started - 1,
-            "global_step": (beat.global_step if beat.global_step is not None else self._read_step()) if beat is not None else None,
+            "global_step": (beat.global_step if beat.global_step is not None else self._read_step())
+            if beat is not None
+            else None,
             "phase": phase,
             "phase_s": round(now - started, 3),
             "step_s": round(now - beat.step_started, 3) if beat is not None else None,
-            "limit_s": round(self.limit(), 3), "where": innermost_frame(self._training_thread),
-            "unix_s": round(time.time() - (time.monotonic() - now), 3),  # when `now` was: goodput dates the hung step by it
-        }  # fmt: skip
+            "limit_s": round(self.limit(), 3),
+            "where": innermost_frame(self._training_thread),
+            "unix_s": round(
+                time.time() - (time.monotonic() - now), 3
+            ),  # when `now` was: goodput dates the hung step by it
+        }
 
     def _handle(self, detected: str, now: float) -> None:
         self.declared = detected
@@ -314,7 +321,11 @@ class StepWatchdog:
         except OSError as err:
             print(f"lightning-scale hang watchdog: cannot write {path}: {err}", file=sys.stderr, flush=True)
         self._store_call("set", f"record/{self.rank}", json.dumps(record))
-        print(f"lightning-scale hang watchdog: hang detected by {detected}; rank {self.rank} wrote {path}", file=sys.stderr, flush=True)
+        print(
+            f"lightning-scale hang watchdog: hang detected by {detected}; rank {self.rank} wrote {path}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._summarise(detected)
         self._store_call("add", "exited", 1)
         if self.rank == 0:  # it may serve the store: the others leave first
@@ -344,17 +355,29 @@ class StepWatchdog:
         records = self._records()
         if not records and self.record is not None:
             records = {self.rank: self.record}
-        text = summary_text(records, self.world_size, detected=detected, exit_code=HANG_EXIT_CODE, directory=str(self.directory))
+        text = summary_text(
+            records, self.world_size, detected=detected, exit_code=HANG_EXIT_CODE, directory=str(self.directory)
+        )
         event = {
-            "event": "hang", "time": time.time(), "detected": detected, "exit_code": HANG_EXIT_CODE,
-            "laggards": sorted(laggards(records, self.world_size)), "records": {str(r): v for r, v in records.items()},
-        }  # fmt: skip
+            "event": "hang",
+            "time": time.time(),
+            "detected": detected,
+            "exit_code": HANG_EXIT_CODE,
+            "laggards": sorted(laggards(records, self.world_size)),
+            "records": {str(r): v for r, v in records.items()},
+        }
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / "summary.txt").write_text(text)
             with open(self.directory / "events.jsonl", "a") as events:
                 events.write(json.dumps(event) + "\n")
         except OSError as err:
-            print(f"lightning-scale hang watchdog: cannot write the summary in {self.directory}: {err}", file=sys.stderr)
-        print(f"lightning-scale hang watchdog: summary ({self.directory / 'summary.txt'}):\n{text}", file=sys.stderr, flush=True)
+            print(
+                f"lightning-scale hang watchdog: cannot write the summary in {self.directory}: {err}", file=sys.stderr
+            )
+        print(
+            f"lightning-scale hang watchdog: summary ({self.directory / 'summary.txt'}):\n{text}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._store_call("set", "summary", str(self.directory / "summary.txt"))

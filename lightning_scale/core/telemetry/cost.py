@@ -20,8 +20,17 @@ from typing import Any
 
 from lightning_scale.core.telemetry.peaks import chip_of
 
-__all__ = ["OFFERS", "PRICES", "PRICING", "CostMeter", "Price", "device_offers", "device_price", "price_key",
-           "price_multiplier"]  # fmt: skip
+__all__ = [
+    "OFFERS",
+    "PRICES",
+    "PRICING",
+    "CostMeter",
+    "Price",
+    "device_offers",
+    "device_price",
+    "price_key",
+    "price_multiplier",
+]
 
 
 @dataclass(frozen=True)
@@ -40,20 +49,28 @@ class Price:
 
 _AWS = "https://aws.amazon.com/ec2/pricing/on-demand/ (us-east-1, Linux)"
 _SKY = "https://raw.githubusercontent.com/skypilot-org/skypilot-catalog/master/catalogs/v8"
-_AWS_CUT = (f"{_AWS}; the price since AWS's June 2025 on-demand cut for P4/P5 instances, read in "
-            f"{_SKY}/aws/vms.csv (snapshot read 2026-12)")
+_AWS_CUT = (
+    f"{_AWS}; the price since AWS's June 2025 on-demand cut for P4/P5 instances, read in "
+    f"{_SKY}/aws/vms.csv (snapshot read 2026-12)"
+)
 _AWS_READ = f"{_AWS}; the same price read in {_SKY}/aws/vms.csv (snapshot read 2026-12)"
-_LAMBDA = (f"{_SKY}/lambda/vms.csv (Lambda's on-demand list, https://lambda.ai/instances, in an undated "
-           "SkyPilot catalog snapshot read 2026-12; not confirmed on lambda.ai itself)")
+_LAMBDA = (
+    f"{_SKY}/lambda/vms.csv (Lambda's on-demand list, https://lambda.ai/instances, in an undated "
+    "SkyPilot catalog snapshot read 2026-12; not confirmed on lambda.ai itself)"
+)
 
 OFFERS: dict[str, tuple[Price, ...]] = {}
 """Every offer per price key, the default (AWS us-east-1) first."""
 for _p in (
     Price("H100 SXM", 55.04 / 8, "AWS p5.48xlarge, 8x H100 80GB at $55.04/h", "2025-06", _AWS_CUT),
     Price("H100 SXM", 31.92 / 8, "Lambda gpu_8x_h100_sxm5, 8x H100 SXM 80GB at $31.92/h", "2026-12", _LAMBDA),
-    Price("H200 SXM", 63.296 / 8, "AWS p5en.48xlarge, 8x H200 141GB at $63.296/h (p5e.48xlarge lists no "
-          "on-demand price)", "2025-06",
-          _AWS_CUT + "; the same price in https://github.com/dstackai/dstack/pull/4110 (2026-08)"),
+    Price(
+        "H200 SXM",
+        63.296 / 8,
+        "AWS p5en.48xlarge, 8x H200 141GB at $63.296/h (p5e.48xlarge lists no on-demand price)",
+        "2025-06",
+        _AWS_CUT + "; the same price in https://github.com/dstackai/dstack/pull/4110 (2026-08)",
+    ),
     Price("A100 80GB", 27.44705 / 8, "AWS p4de.24xlarge, 8x A100 80GB at $27.44705/h", "2025-06", _AWS_CUT),
     Price("A100 80GB", 22.32 / 8, "Lambda gpu_8x_a100_80gb_sxm4, 8x A100 SXM 80GB at $22.32/h", "2026-12", _LAMBDA),
     Price("A100 40GB", 21.957642 / 8, "AWS p4d.24xlarge, 8x A100 40GB at $21.957642/h", "2025-06", _AWS_CUT),
@@ -62,8 +79,13 @@ for _p in (
     Price("B200", 53.52 / 8, "Lambda gpu_8x_b200_sxm6, 8x B200 at $53.52/h", "2026-12", _LAMBDA),
     Price("V100 SXM2 16GB", 24.48 / 8, "AWS p3.16xlarge, 8x V100 16GB at $24.48/h", "2026-12", _AWS_READ),
     Price("V100 SXM2 32GB", 31.212 / 8, "AWS p3dn.24xlarge, 8x V100 32GB at $31.212/h", "2026-12", _AWS_READ),
-    Price("L40S", 1.861, "AWS g6e.xlarge, a 1-GPU instance (L40S is rented singly)", "2024-08",
-          f"{_AWS}; from the 2024-08 table, not re-read in the 2026 snapshot"),
+    Price(
+        "L40S",
+        1.861,
+        "AWS g6e.xlarge, a 1-GPU instance (L40S is rented singly)",
+        "2024-08",
+        f"{_AWS}; from the 2024-08 table, not re-read in the 2026 snapshot",
+    ),
     Price("L4", 0.8048, "AWS g6.xlarge, a 1-GPU instance (L4 is rented singly)", "2024-06", _AWS_READ),
     Price("A10G", 1.006, "AWS g5.xlarge, a 1-GPU instance (A10G is rented singly)", "2024-06", _AWS_READ),
     Price("T4", 0.526, "AWS g4dn.xlarge, a 1-GPU instance (T4 is rented singly)", "2024-06", _AWS_READ),
@@ -147,8 +169,15 @@ class CostMeter:
     def usd(self) -> float | None:
         return None if self.usd_per_device_hour is None else self.spent_usd
 
-    def metrics(self, *, steps_done: int, max_steps: int | None, devices: int, seconds_per_step: float | None,
-                grid_kg_co2_per_kwh: float | None = None) -> dict[str, float]:
+    def metrics(
+        self,
+        *,
+        steps_done: int,
+        max_steps: int | None,
+        devices: int,
+        seconds_per_step: float | None,
+        grid_kg_co2_per_kwh: float | None = None,
+    ) -> dict[str, float]:
         """``cost/*`` and ``energy/*`` keys (only those that can be known), with the projection to
         ``max_steps`` at ``seconds_per_step``."""
         out: dict[str, float] = {}

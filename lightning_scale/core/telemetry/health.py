@@ -44,8 +44,10 @@ class LossSpikeDetector:
             z = (loss - mean) / std if std > 0 else (0.0 if loss <= mean else math.inf)
             if z > self.zscore:
                 return HealthVerdict(
-                    False, f"loss spike: {loss:.4g} is {z:.1f} standard deviations above the mean {mean:.4g} of the "
-                    f"last {n} steps (threshold {self.zscore:g})", z,
+                    False,
+                    f"loss spike: {loss:.4g} is {z:.1f} standard deviations above the mean {mean:.4g} of the "
+                    f"last {n} steps (threshold {self.zscore:g})",
+                    z,
                 )
         self.history.append(loss)
         return HealthVerdict(True, zscore=z)

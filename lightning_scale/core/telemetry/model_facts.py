@@ -40,7 +40,11 @@ from torch import nn
 
 from lightning_scale.core.compat import module_hooks_suspended
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing
-from lightning_scale.core.telemetry.flops import matmul_parameters, measured_flops_per_token, transformer_flops_per_token
+from lightning_scale.core.telemetry.flops import (
+    matmul_parameters,
+    measured_flops_per_token,
+    transformer_flops_per_token,
+)
 
 __all__ = [
     "FLOPS_HOOK",
@@ -187,8 +191,9 @@ class ModelFacts:
             return value
         if self.shape is not None:
             s = self.shape
-            return transformer_flops_per_token(self.matmul_parameters, s.n_layers, s.n_heads, s.head_dim, seq_len,
-                                               causal=causal)
+            return transformer_flops_per_token(
+                self.matmul_parameters, s.n_layers, s.n_heads, s.head_dim, seq_len, causal=causal
+            )
         return self.measured[1] if self.measured is not None else None
 
     def recomputed_share(self) -> float | None:

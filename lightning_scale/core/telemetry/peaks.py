@@ -34,8 +34,18 @@ import torch
 
 from lightning_scale.core.checks import check_positive_int
 
-__all__ = ["PEAKS", "PEAK_FILE_ENV", "DTYPES", "Peak", "chip_of", "device_peak", "machine_key", "measured_peak", "processor",
-           "recorded_peak"]
+__all__ = [
+    "PEAKS",
+    "PEAK_FILE_ENV",
+    "DTYPES",
+    "Peak",
+    "chip_of",
+    "device_peak",
+    "machine_key",
+    "measured_peak",
+    "processor",
+    "recorded_peak",
+]
 
 DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 
@@ -54,64 +64,173 @@ class Peak:
     """URL of the figures (and how they were derived from it: sparse halved, per GCD, ...)."""
 
 
-_A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 40GB/80GB, SXM and PCIe alike; "
-         "float64 = 'FP64 Tensor Core'; sparse halved)")
-_H100 = ("https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 datasheet; "
-         "float64 = 'FP64 Tensor Core'; sparse halved; SXM float32/tf32/bf16/fp8 at the Hopper whitepaper's "
-         "precision, as tabulated in https://glennklockwood.com/garden/processors/h100)")
-_H200 = ("https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446 (H200 datasheet, "
-         "SC23; float64 = 'FP64 Tensor Core'; sparse halved)")
+_A100 = (
+    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 40GB/80GB, SXM and PCIe alike; "
+    "float64 = 'FP64 Tensor Core'; sparse halved)"
+)
+_H100 = (
+    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet (H100 datasheet; "
+    "float64 = 'FP64 Tensor Core'; sparse halved; SXM float32/tf32/bf16/fp8 at the Hopper whitepaper's "
+    "precision, as tabulated in https://glennklockwood.com/garden/processors/h100)"
+)
+_H200 = (
+    "https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446 (H200 datasheet, "
+    "SC23; float64 = 'FP64 Tensor Core'; sparse halved)"
+)
 _VOLTA = "https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"
 
 PEAKS: dict[str, Peak] = {
     p.chip: p
     for p in (
-        Peak("A100", {"float64": 19.5 * T, "float32": 19.5 * T, "tf32": 156 * T, "bfloat16": 312 * T,
-                      "float16": 312 * T}, "2021-06", _A100),
-        Peak("H100 SXM", {"float64": 67 * T, "float32": 66.9 * T, "tf32": 494.7 * T, "bfloat16": 989.4 * T,
-                          "float16": 989.4 * T, "float8": 1978.9 * T}, "2023-03", _H100 + ", SXM column"),
-        Peak("H100 PCIe", {"float64": 51 * T, "float32": 51.2 * T, "tf32": 378 * T, "bfloat16": 756 * T,
-                           "float16": 756 * T, "float8": 1513 * T}, "2023-03", _H100 + ", PCIe column"),
-        Peak("H100 NVL", {"float64": 60 * T, "float32": 60 * T, "tf32": 417.5 * T, "bfloat16": 835.5 * T,
-                          "float16": 835.5 * T, "float8": 1670.5 * T}, "2023-03", _H100 + ", NVL column, per GPU"),
-        Peak("H200 SXM", {"float64": 67 * T, "float32": 67 * T, "tf32": 494.7 * T, "bfloat16": 989.4 * T,
-                          "float16": 989.4 * T, "float8": 1978.9 * T}, "2023-11", _H200 + ", SXM column"),
-        Peak("H200 NVL", {"float64": 60 * T, "float32": 60 * T, "tf32": 417.5 * T, "bfloat16": 835.5 * T,
-                          "float16": 835.5 * T, "float8": 1670.5 * T}, "2023-11", _H200 + ", NVL column"),
-        Peak("B200", {"tf32": 1100 * T, "bfloat16": 2250 * T, "float16": 2250 * T, "float8": 4500 * T}, "2024-03",
-             "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU; sparse halved)"),
-        Peak("GB200", {"tf32": 1250 * T, "bfloat16": 2500 * T, "float16": 2500 * T, "float8": 5000 * T}, "2024-03",
-             "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (NVL72 totals / 72 GPUs; sparse halved)"),
-        Peak("L4", {"float32": 30.3 * T, "tf32": 60 * T, "bfloat16": 121 * T, "float16": 121 * T,
-                    "float8": 242.5 * T}, "2023-03",
-             "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet (sparse halved)"),
-        Peak("L40S", {"float32": 91.6 * T, "tf32": 183 * T, "bfloat16": 362.05 * T, "float16": 362.05 * T,
-                      "float8": 733 * T}, "2023-08",
-             "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413 (sparse halved)"),
+        Peak(
+            "A100",
+            {"float64": 19.5 * T, "float32": 19.5 * T, "tf32": 156 * T, "bfloat16": 312 * T, "float16": 312 * T},
+            "2021-06",
+            _A100,
+        ),
+        Peak(
+            "H100 SXM",
+            {
+                "float64": 67 * T,
+                "float32": 66.9 * T,
+                "tf32": 494.7 * T,
+                "bfloat16": 989.4 * T,
+                "float16": 989.4 * T,
+                "float8": 1978.9 * T,
+            },
+            "2023-03",
+            _H100 + ", SXM column",
+        ),
+        Peak(
+            "H100 PCIe",
+            {
+                "float64": 51 * T,
+                "float32": 51.2 * T,
+                "tf32": 378 * T,
+                "bfloat16": 756 * T,
+                "float16": 756 * T,
+                "float8": 1513 * T,
+            },
+            "2023-03",
+            _H100 + ", PCIe column",
+        ),
+        Peak(
+            "H100 NVL",
+            {
+                "float64": 60 * T,
+                "float32": 60 * T,
+                "tf32": 417.5 * T,
+                "bfloat16": 835.5 * T,
+                "float16": 835.5 * T,
+                "float8": 1670.5 * T,
+            },
+            "2023-03",
+            _H100 + ", NVL column, per GPU",
+        ),
+        Peak(
+            "H200 SXM",
+            {
+                "float64": 67 * T,
+                "float32": 67 * T,
+                "tf32": 494.7 * T,
+                "bfloat16": 989.4 * T,
+                "float16": 989.4 * T,
+                "float8": 1978.9 * T,
+            },
+            "2023-11",
+            _H200 + ", SXM column",
+        ),
+        Peak(
+            "H200 NVL",
+            {
+                "float64": 60 * T,
+                "float32": 60 * T,
+                "tf32": 417.5 * T,
+                "bfloat16": 835.5 * T,
+                "float16": 835.5 * T,
+                "float8": 1670.5 * T,
+            },
+            "2023-11",
+            _H200 + ", NVL column",
+        ),
+        Peak(
+            "B200",
+            {"tf32": 1100 * T, "bfloat16": 2250 * T, "float16": 2250 * T, "float8": 4500 * T},
+            "2024-03",
+            "https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, per GPU; sparse halved)",
+        ),
+        Peak(
+            "GB200",
+            {"tf32": 1250 * T, "bfloat16": 2500 * T, "float16": 2500 * T, "float8": 5000 * T},
+            "2024-03",
+            "https://www.nvidia.com/en-us/data-center/gb200-nvl72/ (NVL72 totals / 72 GPUs; sparse halved)",
+        ),
+        Peak(
+            "L4",
+            {"float32": 30.3 * T, "tf32": 60 * T, "bfloat16": 121 * T, "float16": 121 * T, "float8": 242.5 * T},
+            "2023-03",
+            "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet (sparse halved)",
+        ),
+        Peak(
+            "L40S",
+            {"float32": 91.6 * T, "tf32": 183 * T, "bfloat16": 362.05 * T, "float16": 362.05 * T, "float8": 733 * T},
+            "2023-08",
+            "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413 (sparse halved)",
+        ),
         # Not the A10's figures (31.2/62.5/125): the A10G has 80 SMs at a higher clock but half-rate
         # 16-bit tensor math with FP32 accumulation, so its dense bf16/fp16 peak is 70, not 125.
-        Peak("A10G", {"float32": 35 * T, "tf32": 35 * T, "bfloat16": 70 * T, "float16": 70 * T}, "2022-02",
-             "https://d1.awsstatic.com/product-marketing/ec2/NVIDIA_AWS_A10G_DataSheet_FINAL_02_17_2022.pdf "
-             "(NVIDIA/AWS A10G datasheet of 2022-02-17, as quoted: FP32 35, TF32 35, FP16 70 TFLOPS; the same "
-             "figures in https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/; a bf16 matmul "
-             "measured at 69.5 TFLOP/s on an A10G in https://github.com/zzc0721/torch-performance-test-data/issues/126, "
-             "so 70 is the dense rate)"),
-        Peak("V100 SXM2", {"float64": 7.8 * T, "float32": 15.7 * T, "float16": 125 * T}, "2020-01",
-             _VOLTA + " (no FP64 tensor cores: float64 is the vector rate)"),
-        Peak("V100 PCIe", {"float64": 7 * T, "float32": 14 * T, "float16": 112 * T}, "2020-01",
-             _VOLTA + " (no FP64 tensor cores: float64 is the vector rate)"),
-        Peak("T4", {"float32": 8.1 * T, "float16": 65 * T}, "2018-09",
-             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf"),
-        Peak("MI250X", {"float64": 47.85 * T, "float32": 47.85 * T, "bfloat16": 191.5 * T, "float16": 191.5 * T},
-             "2021-11", "https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html (matrix-core "
-             "rates: FP64/FP32 matrix 95.7, FP16/BF16 383 TFLOPS per card; per GCD, half the card)"),
-        Peak("MI300X", {"float64": 163.4 * T, "float32": 163.4 * T, "tf32": 653.7 * T, "bfloat16": 1307.4 * T,
-                        "float16": 1307.4 * T, "float8": 2614.9 * T}, "2023-12",
-             "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (dense; float64 = "
-             "'FP64 Matrix' 163.4, the vector rate is 81.7)"),
+        Peak(
+            "A10G",
+            {"float32": 35 * T, "tf32": 35 * T, "bfloat16": 70 * T, "float16": 70 * T},
+            "2022-02",
+            "https://d1.awsstatic.com/product-marketing/ec2/NVIDIA_AWS_A10G_DataSheet_FINAL_02_17_2022.pdf "
+            "(NVIDIA/AWS A10G datasheet of 2022-02-17, as quoted: FP32 35, TF32 35, FP16 70 TFLOPS; the same "
+            "figures in https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/; a bf16 matmul "
+            "measured at 69.5 TFLOP/s on an A10G in https://github.com/zzc0721/torch-performance-test-data/issues/126, "
+            "so 70 is the dense rate)",
+        ),
+        Peak(
+            "V100 SXM2",
+            {"float64": 7.8 * T, "float32": 15.7 * T, "float16": 125 * T},
+            "2020-01",
+            _VOLTA + " (no FP64 tensor cores: float64 is the vector rate)",
+        ),
+        Peak(
+            "V100 PCIe",
+            {"float64": 7 * T, "float32": 14 * T, "float16": 112 * T},
+            "2020-01",
+            _VOLTA + " (no FP64 tensor cores: float64 is the vector rate)",
+        ),
+        Peak(
+            "T4",
+            {"float32": 8.1 * T, "float16": 65 * T},
+            "2018-09",
+            "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf",
+        ),
+        Peak(
+            "MI250X",
+            {"float64": 47.85 * T, "float32": 47.85 * T, "bfloat16": 191.5 * T, "float16": 191.5 * T},
+            "2021-11",
+            "https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html (matrix-core "
+            "rates: FP64/FP32 matrix 95.7, FP16/BF16 383 TFLOPS per card; per GCD, half the card)",
+        ),
+        Peak(
+            "MI300X",
+            {
+                "float64": 163.4 * T,
+                "float32": 163.4 * T,
+                "tf32": 653.7 * T,
+                "bfloat16": 1307.4 * T,
+                "float16": 1307.4 * T,
+                "float8": 2614.9 * T,
+            },
+            "2023-12",
+            "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (dense; float64 = "
+            "'FP64 Matrix' 163.4, the vector rate is 81.7)",
+        ),
     )
-}  # fmt: skip
+}
 
 # Device names (torch.cuda.get_device_name) to chips, most specific first.
 _NAMES: tuple[tuple[str, str], ...] = (
@@ -148,8 +267,13 @@ def device_peak(device_name: str, dtype: str) -> float | None:
     return None if chip is None else PEAKS[chip].flops.get(dtype)
 
 
-_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "tf32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
+_TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "tf32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 _MEASURED: dict[tuple[str, str, int, int], float] = {}
 _SMALLEST = 128
 

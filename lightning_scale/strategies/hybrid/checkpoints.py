@@ -29,8 +29,8 @@ import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale._lightning_compat import attached_trainer, should_accumulate, wrap_resume_start
 from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
-from lightning_scale.core.checkpoint.ties import names_under
 from lightning_scale.core.checkpoint.storage import RemotePath
+from lightning_scale.core.checkpoint.ties import names_under
 from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.integrations.huggingface import is_hf_model
@@ -93,7 +93,9 @@ class ShardedCheckpoints:
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.resumed_by_latest = self.resumed_manifest = None  # (a fit that failed after its load left one)
         wanted = path == "latest" or (
-            path is None and fitting and (io.auto_resume is True or (io.auto_resume == "on_restart" and _any_restarted(trainer)))
+            path is None
+            and fitting
+            and (io.auto_resume is True or (io.auto_resume == "on_restart" and _any_restarted(trainer)))
         )
         if not wanted:
             return path
@@ -261,7 +263,11 @@ class ShardedCheckpoints:
         saved, now = _recorded(manifest.get("batch")), step_batch(trainer, dp)
         differs = saved is not None and now is not None and now["samples"] != saved["samples"]
         # Decided alike on every rank (a loader whose batch differs between ranks must not stop some of them only).
-        anywhere = bool(collectives.reduce(torch.tensor([int(differs)], device=trainer.strategy.root_device), reduce_op="max").item())
+        anywhere = bool(
+            collectives.reduce(
+                torch.tensor([int(differs)], device=trainer.strategy.root_device), reduce_op="max"
+            ).item()
+        )
         if anywhere and not differs and policy == "refuse":
             raise ValueError(
                 "This fit resumes a checkpoint saved at another data-parallel size, and another rank's training loader "
@@ -271,8 +277,12 @@ class ShardedCheckpoints:
             rank_zero_warn(
                 f"This fit resumes a checkpoint saved at data_parallel={saved_dp} at data_parallel={dp}, and whether an "
                 "optimizer step still trains on as many samples cannot be told: "
-                + ("the checkpoint does not record it (saved by an older version, or from a loader without an integer "
-                   "batch_size)." if saved is None else "the training loader has no integer batch_size.")
+                + (
+                    "the checkpoint does not record it (saved by an older version, or from a loader without an integer "
+                    "batch_size)."
+                    if saved is None
+                    else "the training loader has no integer batch_size."
+                )
                 + " Check that loader batch x data-parallel ranks x accumulate_grad_batches is what it was."
             )
             return
@@ -303,7 +313,12 @@ def step_batch(trainer: Trainer | None, dp: int) -> dict[str, int] | None:
     for callback in trainer.callbacks:  # its epoch's value, which it sets only when the epoch starts
         if isinstance(callback, GradientAccumulationScheduler):
             accumulate = int(callback.get_accumulate_grad_batches(trainer.current_epoch))
-    return {"loader_batch": batch, "data_parallel": dp, "accumulate_grad_batches": accumulate, "samples": batch * dp * accumulate}
+    return {
+        "loader_batch": batch,
+        "data_parallel": dp,
+        "accumulate_grad_batches": accumulate,
+        "samples": batch * dp * accumulate,
+    }
 
 
 def _recorded(batch: Any) -> dict[str, int] | None:
@@ -315,8 +330,10 @@ def _recorded(batch: Any) -> dict[str, int] | None:
 
 
 def _describe(batch: Mapping[str, int]) -> str:
-    return (f"{batch['samples']} samples ({batch['loader_batch']} per loader batch x data_parallel={batch['data_parallel']} "
-            f"x accumulate_grad_batches={batch['accumulate_grad_batches']})")  # fmt: skip
+    return (
+        f"{batch['samples']} samples ({batch['loader_batch']} per loader batch x data_parallel={batch['data_parallel']} "
+        f"x accumulate_grad_batches={batch['accumulate_grad_batches']})"
+    )
 
 
 def _keeping(samples: int, now: Mapping[str, int]) -> str:

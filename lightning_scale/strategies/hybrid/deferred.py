@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale.core.compat import apply_to_tensors
 from lightning_scale.core.parallel.deferred_init import DeferredInit
-import lightning_scale.strategies.hybrid.collectives as collectives
 
 __all__ = ["DeferredBuilder"]
 

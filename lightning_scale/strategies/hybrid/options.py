@@ -60,8 +60,15 @@ _NON_STRUCTURAL = frozenset(
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
 _SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")
-PLANNED = (*_SIZES, "data_parallel_mode", "schedule", "microbatches", "virtual_stages", "activation_checkpointing",
-           "activation_checkpointing_every")  # fmt: skip
+PLANNED = (
+    *_SIZES,
+    "data_parallel_mode",
+    "schedule",
+    "microbatches",
+    "virtual_stages",
+    "activation_checkpointing",
+    "activation_checkpointing_every",
+)
 """What ``layout="auto"`` chooses (:mod:`.planning`); one set too (to other than its default) is a constraint: the
 planner chooses among the layouts that have it (:meth:`ParallelOptions.constraints`)."""
 """The options the strategy also takes positionally, in this order."""
@@ -224,7 +231,9 @@ class ParallelOptions:
         others keyword-only, each with its default."""
         kinds = {name: inspect.Parameter.POSITIONAL_OR_KEYWORD for name in _SIZES}
         options = [
-            inspect.Parameter(f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=f.default, annotation=f.type)
+            inspect.Parameter(
+                f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=f.default, annotation=f.type
+            )
             for f in fields(cls)
             if f.init
         ]
@@ -242,9 +251,13 @@ class ParallelOptions:
 
     def __post_init__(self) -> None:
         if self.layout not in ("manual", "auto"):
-            raise ValueError(f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner chooses).")
+            raise ValueError(
+                f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner chooses)."
+            )
         if self.cluster is not None and self.layout != "auto":
-            raise ValueError(f"cluster={self.cluster!r} is what layout='auto' plans for; set layout='auto' or remove it.")
+            raise ValueError(
+                f"cluster={self.cluster!r} is what layout='auto' plans for; set layout='auto' or remove it."
+            )
         for name in ("sequence_parallel", "loss_parallel", "compile"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         for name in ("loss_name", "hang_timeout"):  # a YAML config's mapping as a plain dict
@@ -294,7 +307,9 @@ class ParallelOptions:
         check_positive_int("powersgd_start_iter", self.powersgd_start_iter)
         hang_timeout_policy(self.hang_timeout)  # ValueError naming the value and what to pass
         if self.global_batch_change not in GLOBAL_BATCH_CHANGES:
-            raise ValueError(f"global_batch_change={self.global_batch_change!r} is not one of {format_choices(GLOBAL_BATCH_CHANGES)}.")
+            raise ValueError(
+                f"global_batch_change={self.global_batch_change!r} is not one of {format_choices(GLOBAL_BATCH_CHANGES)}."
+            )
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
@@ -302,8 +317,12 @@ class ParallelOptions:
             )
         check_positive_int("activation_checkpointing_every", self.activation_checkpointing_every)
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Unknown pipeline schedule {self.schedule!r}. Valid schedules: {format_choices(SCHEDULES)}.")
-        check_positive_int("virtual_stages", self.virtual_stages, fix="It is the number of stages per rank of an interleaved schedule.")
+            raise ValueError(
+                f"Unknown pipeline schedule {self.schedule!r}. Valid schedules: {format_choices(SCHEDULES)}."
+            )
+        check_positive_int(
+            "virtual_stages", self.virtual_stages, fix="It is the number of stages per rank of an interleaved schedule."
+        )
         stages_per_rank(self.schedule, self.virtual_stages)  # interleaved schedules need virtual_stages >= 2
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition={self.partition!r} is not one of {format_choices(PARTITIONS)}.")
@@ -365,7 +384,10 @@ class ParallelOptions:
         return [
             f"{f.name}={getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in fields(self)
-            if f.init and f.name not in _NON_STRUCTURAL and matters(f.name) and getattr(self, f.name) != getattr(other, f.name)
+            if f.init
+            and f.name not in _NON_STRUCTURAL
+            and matters(f.name)
+            and getattr(self, f.name) != getattr(other, f.name)
         ]
 
     @staticmethod

@@ -21,11 +21,11 @@ from lightning_scale._lightning_compat import before_batch_transfer
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from lightning_scale.core.parallel.data_parallel import apply_data_parallel
 from lightning_scale.core.parallel.layout import Layout
-from lightning_scale.core.telemetry.model_facts import ModelFacts
-from lightning_scale.core.pipeline.partition import stage_ranks
-from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec
-from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
+from lightning_scale.core.pipeline.partition import stage_ranks
+from lightning_scale.core.pipeline.runner import PipelineRunner
+from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec
+from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 from lightning_scale.strategies.hybrid.pipeline_hooks import PIPELINE_SPEC_HOOK, example_batch, pipeline_spec_of
 from lightning_scale.strategies.hybrid.state import ParallelState

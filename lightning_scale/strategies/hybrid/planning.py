@@ -26,7 +26,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.parallel.tensor_parallel import find_registered_plans
-from lightning_scale.core.planner import Candidate, Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
+from lightning_scale.core.planner import (
+    Candidate,
+    Cluster,
+    Estimate,
+    ModelShape,
+    Workload,
+    cluster,
+    estimate,
+    model_shape,
+    plan,
+)
 from lightning_scale.core.planner.calibration import calibrated, planner_record
 from lightning_scale.core.planner.cluster import local_cluster
 from lightning_scale.core.planner.layout import PRECISION_BYTES
@@ -97,12 +107,18 @@ def run_cluster(trainer: Trainer, workload: Workload, preset: str | None, *, pea
         found = cluster(preset, nodes=nodes, devices_per_node=per_node)
     elif strategy.root_device.type == "cuda":
         props = torch.cuda.get_device_properties(strategy.root_device)
-        found = local_cluster("cuda", devices_per_node=per_node, nodes=nodes, device_name=props.name,
-                              device_memory=float(props.total_memory))  # fmt: skip
+        found = local_cluster(
+            "cuda",
+            devices_per_node=per_node,
+            nodes=nodes,
+            device_name=props.name,
+            device_memory=float(props.total_memory),
+        )
     else:
         dtype = workload.compute_dtype
-        found = local_cluster("cpu", devices_per_node=per_node, nodes=nodes,
-                              peak_flops={dtype: peak or cpu_peak(trainer, dtype)})  # fmt: skip
+        found = local_cluster(
+            "cpu", devices_per_node=per_node, nodes=nodes, peak_flops={dtype: peak or cpu_peak(trainer, dtype)}
+        )
     return calibrated(found)
 
 
@@ -116,22 +132,34 @@ def candidate_of(options: ParallelOptions, layout: Layout, hsdp_shard: int, work
     local = workload.global_batch // layout.dp
     m = (options.microbatches or 2 * layout.pp) if layout.pp > 1 else 1
     return Candidate(
-        dp=layout.dp, tp=layout.tp, pp=layout.pp, dp_mode=options.data_parallel_mode, schedule=options.schedule,
-        virtual_stages=options.virtual_stages, micro_batch=max(1, local // m), checkpointing=options.activation_checkpointing,
-        checkpoint_every=options.activation_checkpointing_every, sequence_parallel=options.sequence_parallel and layout.tp > 1,
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp_mode=options.data_parallel_mode,
+        schedule=options.schedule,
+        virtual_stages=options.virtual_stages,
+        micro_batch=max(1, local // m),
+        checkpointing=options.activation_checkpointing,
+        checkpoint_every=options.activation_checkpointing_every,
+        sequence_parallel=options.sequence_parallel and layout.tp > 1,
         hsdp_shard=hsdp_shard,
-    )  # fmt: skip
+    )
 
 
 def options_for(candidate: Candidate, workload: Workload) -> dict[str, Any]:
     """The strategy options that run ``candidate``."""
     m = candidate.microbatches(workload)
     return {
-        "data_parallel": candidate.dp, "tensor_parallel": candidate.tp, "pipeline_parallel": candidate.pp,
-        "data_parallel_mode": candidate.dp_mode, "schedule": candidate.schedule if candidate.pp > 1 else "1f1b",
-        "microbatches": m if candidate.pp > 1 else None, "virtual_stages": max(2, candidate.virtual_stages),
-        "activation_checkpointing": candidate.checkpointing, "activation_checkpointing_every": candidate.checkpoint_every,
-    }  # fmt: skip
+        "data_parallel": candidate.dp,
+        "tensor_parallel": candidate.tp,
+        "pipeline_parallel": candidate.pp,
+        "data_parallel_mode": candidate.dp_mode,
+        "schedule": candidate.schedule if candidate.pp > 1 else "1f1b",
+        "microbatches": m if candidate.pp > 1 else None,
+        "virtual_stages": max(2, candidate.virtual_stages),
+        "activation_checkpointing": candidate.checkpointing,
+        "activation_checkpointing_every": candidate.checkpoint_every,
+    }
 
 
 class AutoLayout:
@@ -144,7 +172,9 @@ class AutoLayout:
     def apply(self, strategy: Any, trainer: Trainer | None, module: LightningModule) -> ParallelOptions:
         """``strategy.options`` with the planner's choice filled in (``layout="manual"`` from then on)."""
         if trainer is None:
-            raise RuntimeError("layout='auto' plans from the Trainer's datamodule and precision; this module has no Trainer.")
+            raise RuntimeError(
+                "layout='auto' plans from the Trainer's datamodule and precision; this module has no Trainer."
+            )
         chosen = self.choose(strategy, trainer, module, strategy.options.cluster)
         return dataclasses.replace(strategy.options, layout="manual", cluster=None, **chosen)
 
@@ -158,8 +188,16 @@ class AutoLayout:
         doc: dict[str, Any] = {}
         if strategy.global_rank == 0:
             system = run_cluster(trainer, workload, preset)
-            ranked = plan(shape, workload, system, dp_modes=_dp_modes(strategy.num_nodes), gradient_accumulation=False,
-                          max_micro_batch=workload.global_batch, context_parallel=(1,), float8=(False,))  # fmt: skip
+            ranked = plan(
+                shape,
+                workload,
+                system,
+                dp_modes=_dp_modes(strategy.num_nodes),
+                gradient_accumulation=False,
+                max_micro_batch=workload.global_batch,
+                context_parallel=(1,),
+                float8=(False,),
+            )
             runnable = _runnable(module)
             ranked = [e for e in ranked if runnable(e.candidate)]  # dp x 1 x 1 always is
             constrained = _constrained(ranked, strategy.options.constraints(), workload)
@@ -224,12 +262,16 @@ def _dp_modes(num_nodes: int) -> tuple[str, ...]:
 
 
 def _announce(best: Estimate, ranked: list[Estimate], system: Cluster, shape: ModelShape) -> None:
-    lines = [f"layout='auto': {best.name} for {shape.name} on {system.world_size} x {system.device.name} "
-             f"(efficiency: {system.efficiency.source}); predicted step {best.time.step_time:.4f} s, "
-             f"{best.tokens_per_sec:,.0f} tokens/s, {best.memory.total / 2**30:.3f} GiB per device. The best of "
-             f"{len(ranked)} layouts:"]  # fmt: skip
+    lines = [
+        f"layout='auto': {best.name} for {shape.name} on {system.world_size} x {system.device.name} "
+        f"(efficiency: {system.efficiency.source}); predicted step {best.time.step_time:.4f} s, "
+        f"{best.tokens_per_sec:,.0f} tokens/s, {best.memory.total / 2**30:.3f} GiB per device. The best of "
+        f"{len(ranked)} layouts:"
+    ]
     for e in ranked[:5]:
-        lines.append(f"  {e.name:48s} {'fits' if e.fits else 'NO  '} {e.time.step_time:9.4f} s {e.memory.total / 2**30:8.3f} GiB")
+        lines.append(
+            f"  {e.name:48s} {'fits' if e.fits else 'NO  '} {e.time.step_time:9.4f} s {e.memory.total / 2**30:8.3f} GiB"
+        )
     rank_zero_info("\n".join(lines))
 
 
@@ -250,23 +292,33 @@ def prediction_record(trainer: Trainer, summary: dict[str, Any], peak_memory: in
         mesh = strategy.device_mesh
         shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
         chosen = auto.chosen
-        candidate = chosen.candidate if chosen is not None else candidate_of(strategy.options, strategy.layout, shard, workload)
+        candidate = (
+            chosen.candidate if chosen is not None else candidate_of(strategy.options, strategy.layout, shard, workload)
+        )
         predicted = estimate(shape, workload, candidate, system)
     except ValueError as err:  # the run is done and recorded either way: say why there is no prediction
         return {"error": str(err)}
     rate = summary.get("train/tokens_per_sec")
     measured = {
-        "step_time_s": workload.tokens / rate if rate else None, "tokens_per_sec": rate,
+        "step_time_s": workload.tokens / rate if rate else None,
+        "tokens_per_sec": rate,
         "memory_per_device_bytes": peak_memory,
-    }  # fmt: skip
+    }
     guess = {
-        "step_time_s": predicted.time.step_time, "tokens_per_sec": predicted.tokens_per_sec,
-        "memory_per_device_bytes": predicted.memory.total, "mfu": predicted.mfu,
-        "time_terms": predicted.time.terms, "memory_terms": predicted.memory.terms,
-    }  # fmt: skip
+        "step_time_s": predicted.time.step_time,
+        "tokens_per_sec": predicted.tokens_per_sec,
+        "memory_per_device_bytes": predicted.memory.total,
+        "mfu": predicted.mfu,
+        "time_terms": predicted.time.terms,
+        "memory_terms": predicted.memory.terms,
+    }
     errors = {k: guess[k] / v - 1 for k, v in measured.items() if v}
     return {
-        "layout": candidate.name, "chosen_by": "auto" if auto.chosen is not None else "manual",
-        "efficiency": system.efficiency.source, "predicted": guess, "measured": measured, "error": errors,
+        "layout": candidate.name,
+        "chosen_by": "auto" if auto.chosen is not None else "manual",
+        "efficiency": system.efficiency.source,
+        "predicted": guess,
+        "measured": measured,
+        "error": errors,
         "inputs": planner_record(shape, workload, candidate, system, system.device.peak(workload.compute_dtype)),
-    }  # fmt: skip
+    }

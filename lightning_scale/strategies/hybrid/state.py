@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_scale.core.parallel.layout import Layout
-from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.core.pipeline.runner import PipelineRunner
+from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 
 __all__ = ["ParallelState"]

@@ -33,7 +33,13 @@ from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_n
 from lightning_scale.core.telemetry.model_facts import ModelFacts
 from lightning_scale.plugins import HangWatchdog, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins._stock import as_mesh_precision
-from lightning_scale.strategies.hybrid.checkpoints import ShardedCheckpoints, sharded_state, unwrapped_optimizer as _unwrapped
+from lightning_scale.strategies.hybrid.checkpoints import (
+    ShardedCheckpoints,
+    sharded_state,
+)
+from lightning_scale.strategies.hybrid.checkpoints import (
+    unwrapped_optimizer as _unwrapped,
+)
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
 from lightning_scale.strategies.hybrid.heartbeat import Heartbeat
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
@@ -84,9 +90,12 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
     ) -> None:
         self._default_precision = MixedPrecision("32-true")  # without a plugin from the strategy or Trainer
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.options = ParallelOptions.from_arguments(sizes, options, owner=type(self).__name__)
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1  # Lightning's accelerator connector sets it from Trainer(num_nodes=...)
@@ -153,7 +162,9 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # None stays None: Lightning's connector reads the field to tell a plugin given to the strategy from
         # one given to the Trainer.
-        setattr(self, lc.PRECISION_PLUGIN_FIELD, None if precision_plugin is None else as_mesh_precision(precision_plugin))
+        setattr(
+            self, lc.PRECISION_PLUGIN_FIELD, None if precision_plugin is None else as_mesh_precision(precision_plugin)
+        )
 
     @property
     @override
@@ -384,7 +395,9 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:  # a resume at another data-parallel size keeps the global batch, or is refused
-        self._checkpoints.check_global_batch(lc.attached_trainer(self.lightning_module), self.layout.dp, self.options.global_batch_change)
+        self._checkpoints.check_global_batch(
+            lc.attached_trainer(self.lightning_module), self.layout.dp, self.options.global_batch_change
+        )
 
     @override
     def teardown(self) -> None:  # not the base class's: it would move the sharded model to the CPU
