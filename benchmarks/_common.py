@@ -8,7 +8,7 @@ import os
 import queue as queue_module
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -93,26 +93,33 @@ class HookTime:
         for name in (*(STEP_HOOKS if self.per_step else ()), *START_HOOKS):
             if getattr(type(callback), name) is getattr(Callback, name):
                 continue  # Callback's own no-op: nothing to time, and a wrapper would add its own cost to the step
-            method = getattr(callback, name)
-            per_step = name in STEP_HOOKS
-            key = f"{type(callback).__name__}.{name}"
-
-            def timed(
-                *args: Any, _method: Any = method, _per_step: bool = per_step, _key: str = key, **kwargs: Any
-            ) -> Any:
-                begin = time.perf_counter()
-                try:
-                    return _method(*args, **kwargs)
-                finally:
-                    spent = time.perf_counter() - begin
-                    if _per_step:
-                        self.seconds += spent
-                        self.by_hook[_key] = self.by_hook.get(_key, 0.0) + spent
-                    else:
-                        self.start_seconds += spent
-
-            setattr(callback, name, timed)
+            self._wrap(callback, name, per_step=name in STEP_HOOKS)
         return callback
+
+    def instrument_methods(self, obj: Any, names: Sequence[str]) -> Any:
+        """Time ``obj``'s methods ``names`` into ``seconds`` as per-step hooks, wrapped on the instance: what a
+        strategy calls at every step without a callback (its hang watchdog's beats)."""
+        for name in names:
+            self._wrap(obj, name, per_step=True)
+        return obj
+
+    def _wrap(self, obj: Any, name: str, per_step: bool) -> None:
+        method = getattr(obj, name)
+        key = f"{type(obj).__name__}.{name}"
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - begin
+                if per_step:
+                    self.seconds += spent
+                    self.by_hook[key] = self.by_hook.get(key, 0.0) + spent
+                else:
+                    self.start_seconds += spent
+
+        setattr(obj, name, timed)
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:

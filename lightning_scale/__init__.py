@@ -2,7 +2,10 @@
 telemetry for PyTorch Lightning.
 
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hybrid")``
-and ``Trainer(strategy="tensor_parallel")`` work after ``import lightning_scale``.
+and ``Trainer(strategy="tensor_parallel")`` work after ``import lightning_scale``. It does so without
+importing Lightning: the names are registered when Lightning is imported, before or after this package
+(:mod:`lightning_scale._strategy_registration`), so a command that needs no Lightning (``lightning-scale-plan``,
+``lightning-scale-ckpt``) never pays for importing it.
 """
 
 import torch as _torch
@@ -11,8 +14,12 @@ from lightning_scale._torch_version import check_torch_version as _check_torch_v
 
 _check_torch_version(str(_torch.__version__))
 
-from lightning_scale import integrations as _integrations  # noqa: E402, F401  (Hugging Face plans and stages)
-from lightning_scale import strategies as _strategies  # noqa: E402, F401  (registers "hybrid", "tensor_parallel")
+from lightning_scale._strategy_registration import register_strategies_with_lightning as _register  # noqa: E402
 
-__version__ = "0.1.0"
+# "hybrid", "tensor_parallel", "pipeline" and the Hugging Face plans and stages the strategies find by model:
+# now if Lightning is imported, else when it is.
+_register()
+
+__version__ = "0.2.0"
+"""The release; ``pyproject.toml``'s ``version`` says the same (``tests/test_public_api.py`` checks)."""
 __all__ = ["__version__"]

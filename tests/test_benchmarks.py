@@ -365,6 +365,14 @@ def test_resilience_benchmark_prints_the_watchdogs_overhead(tmp_path: Path) -> N
         0 < report["hook_s_per_step"] < report["step_s"]["off"]
     )  # the heartbeats were timed, and are a part of a step
     assert report["switch"] == "both"  # the "on" steps ran the watchdog and recorded the goodput ledger
+    # The strategy's own watchdog (hang_timeout="auto", no callback) was switched on: its beats were timed.
+    beats = report["hook_s_by_hook"]
+    assert (
+        report["hang_timeout"] == "auto"
+        and beats["StepWatchdog.step_started"] > 0
+        and beats["StepWatchdog.entered"] > 0
+    )
+    assert sum(beats.values()) == pytest.approx(report["hook_s_per_step"])
     cpu = report["thread_cpu_s"]  # the training thread's own CPU a step: a part of the step, on and off
     assert set(cpu) == {"off", "on"} and all(0 < cpu[k] <= report["step_s"][k] * 1.05 for k in cpu)
     assert isinstance(report["thread_cpu_added_s"], float) and isinstance(report["thread_cpu_added_se"], float)
@@ -399,3 +407,24 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_path_on_the_cpu_when_asked(
     assert {"compute", "attention", "elementwise", "optimizer"} <= set(planner["time_terms"])
     assert planner["mfu"] > 0 and planner["mfu_error"] == pytest.approx(planner["mfu"] / report["mfu"] - 1)
     assert planner["inputs"]["candidate"]["dp"] == 1 and planner["memory_terms_gib"]["parameters"] > 0
+
+
+@pytest.mark.slow
+def test_quickstart_benchmark_prints_its_ratios(tmp_path: Path) -> None:
+    report = _bench(
+        "quickstart",
+        "quickstart.py",
+        "--rounds",
+        "1",
+        "--max-steps",
+        "12",
+        "trainer.limit_val_batches=1",
+        "callbacks.checkpoint=null",
+        out=tmp_path / "quick.json",
+    )
+    for key in ("hybrid_vs_ddp_unset", "hybrid_vs_ddp_omp1", "unset_vs_omp1", "quickstart_wall_s"):
+        assert report[key] > 0, key
+    # The variable unset (as the README leaves it), the default job's ranks share the cores as DDP's do.
+    cores = len(os.sched_getaffinity(0))
+    assert report["threads_per_process"]["hybrid_unset"] == max(1, cores // 2)
+    assert report["threads_per_process"]["hybrid_omp1"] == 1

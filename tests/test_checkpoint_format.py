@@ -17,10 +17,10 @@ from lightning_scale.core.checkpoint.format import (
     CheckpointCorruptError,
     checkpoint_name,
     find_checkpoints,
-    latest,
     retained,
     verify,
 )
+from lightning_scale.core.checkpoint.latest import latest
 
 
 def _save(root: Path, step: int, payload: bytes = b"weights", token: str = "t0", checksum: str = "crc32") -> Path:
@@ -119,23 +119,23 @@ def test_a_manifest_cannot_point_outside_its_directory(tmp_path: Path) -> None:
 def test_latest_skips_broken_checkpoints_with_a_warning_that_names_them(tmp_path: Path) -> None:
     _save(tmp_path, 10)
     newest = _save(tmp_path, 20)
-    assert latest(tmp_path).path == newest
+    assert latest([tmp_path]).path == newest
     (newest / "__0_0.distcp").write_bytes(b"WEIGHTS")  # same size, other bytes
     with pytest.warns(RuntimeWarning, match=r"Skipping the broken checkpoint .*step-000020.*__0_0.distcp"):
-        assert latest(tmp_path).path.name == "step-000010"
+        assert latest([tmp_path]).path.name == "step-000010"
     # A crash before the manifest was written leaves a directory that is not a checkpoint at all.
     crashed = tmp_path / "step-000030"
     crashed.mkdir()
     (crashed / "__0_0.distcp").write_bytes(b"partial")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert latest(tmp_path).path.name == "step-000010"
+        assert latest([tmp_path]).path.name == "step-000010"
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2, messages
     assert re.search(r"Skipping .*step-000030, not a checkpoint: .*manifest.json is missing", messages[0])
     assert "step-000020" in messages[1]
     assert [c.step for c in find_checkpoints(tmp_path)] == [10, 20]
-    assert latest(tmp_path / "nowhere") is None
+    assert latest([tmp_path / "nowhere"]) is None
 
 
 def test_a_crash_before_commit_leaves_only_a_hidden_staging_directory(tmp_path: Path) -> None:

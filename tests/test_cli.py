@@ -24,9 +24,10 @@ from hydra.core.global_hydra import GlobalHydra
 from lightning_scale.callbacks import PreemptionCheckpoint
 from lightning_scale.cli.environment import RESOLVED_CONFIG_ENV
 from lightning_scale.cli.job_config import planned_data_parallel_size
-from lightning_scale.cli.resume import latest_lightning_checkpoint, resume_checkpoint
+from lightning_scale.cli.resume import resumable_checkpoint, resume_checkpoint
 from lightning_scale.cli.run import build
 from lightning_scale.core.checkpoint.format import CheckpointCorruptError, verify
+from lightning_scale.core.checkpoint.sharded import save_sharded
 from lightning_scale.plugins import PREEMPTION_EXIT_CODE, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins.checkpoint_io import load_full_checkpoint
 from lightning_scale.strategies import HybridParallelStrategy
@@ -58,7 +59,9 @@ def _train(
     )
 
 
-def _train_until(line: str, sig: signal.Signals, *overrides: str, timeout: float = 400) -> tuple[int, str]:
+def _train_until(
+    line: str, sig: signal.Signals, *overrides: str, timeout: float = 400, env: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Start a run, send ``sig`` once it prints ``line`` (SIGKILL to every process of the run, as a
     lost machine; SIGTERM to the first process only, as Kubernetes or a cloud's spot notice does),
     then wait; returns (exit status, output). A run still going after ``timeout`` is killed."""
@@ -67,7 +70,7 @@ def _train_until(line: str, sig: signal.Signals, *overrides: str, timeout: float
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(),
+        env=env or _env(),
         start_new_session=True,  # its own process group, so SIGKILL reaches the ranks it starts
     )
     watchdog = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
@@ -117,6 +120,14 @@ def _copy_when_committed(
     return None
 
 
+def _readme_env(data_cache: Path) -> dict[str, str]:
+    """The environment the README runs its main job in: nothing set that the README does not set (the data
+    cache aside, which every test shares); OMP_NUM_THREADS above all, which the other tests export."""
+    env = _env(LIGHTNING_SCALE_CACHE=str(data_cache))
+    del env["OMP_NUM_THREADS"]
+    return env
+
+
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> _Run:
     """The README's main job exactly as a user types it, `lightning-scale-train` with no arguments,
@@ -128,7 +139,7 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> _R
     # The cache the per-test fixture sets, which a module fixture runs before.
     with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
         popen = subprocess.Popen(
-            [_executable()], stdout=out, stderr=err, text=True, cwd=cwd, env=_env(LIGHTNING_SCALE_CACHE=str(data_cache))
+            [_executable()], stdout=out, stderr=err, text=True, cwd=cwd, env=_readme_env(data_cache)
         )
         try:
             step_200 = _copy_when_committed(
@@ -191,8 +202,24 @@ def test_default_run_trains_two_processes_and_the_loss_falls(quickstart: _Run) -
 
 
 @pytest.mark.slow
+def test_the_quickstart_prints_no_warning_the_package_could_prevent(quickstart: _Run) -> None:
+    """A newcomer's console is the package's lines and Lightning's, with no warning, deprecation notice or
+    advertisement (issue 39: torch's `reduce_op` FutureWarning at exit, Lightning's litlogger tip, the
+    cost callback's warning that a CPU has no price); and each process ran its share of the cores."""
+    proc = quickstart.proc
+    noise = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if re.search(r"warn|deprecat|💡|\btip\b|litlogger", line, re.IGNORECASE)
+    ]
+    assert not noise, "\n".join(noise)
+    results = json.loads((quickstart.run_dir / "results.json").read_text())
+    assert results["threads_per_process"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+@pytest.mark.slow
 def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(
-    quickstart: _Run, tmp_path: Path
+    quickstart: _Run, tmp_path: Path, data_cache: Path
 ) -> None:
     """The default config (checkpoints every 100 steps) lost at step 220 with SIGKILL, resumed with
     ckpt_path=latest, preempted with SIGTERM at step 260, resumed again: the final validation loss is
@@ -209,19 +236,20 @@ def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(
     (run_dir / "csv").mkdir()
     shutil.copy(quickstart.run_dir / "csv" / "metrics.csv", run_dir / "csv" / "metrics.csv")
     here = f"hydra.run.dir={run_dir}"
-    status, out = _train_until("step 220/300", signal.SIGKILL, here, "ckpt_path=latest")
+    env = _readme_env(data_cache)  # the quickstart's threads per process, for results equal bit for bit
+    status, out = _train_until("step 220/300", signal.SIGKILL, here, "ckpt_path=latest", env=env)
     assert status == -signal.SIGKILL, out[-3000:]
     assert f"Restored all states from the checkpoint at {copied}" in out, out[-3000:]
     assert not list((run_dir / "checkpoints").glob("step-*"))  # a crash leaves no checkpoint of its own
 
-    status, out = _train_until("step 260/300", signal.SIGTERM, here, "ckpt_path=latest")
+    status, out = _train_until("step 260/300", signal.SIGTERM, here, "ckpt_path=latest", env=env)
     assert status == PREEMPTION_EXIT_CODE, out[-3000:]
     restored = re.search(r"Restored all states from the checkpoint at (\S+)", out)
     assert restored and verify(Path(restored[1]))["global_step"] == 200, out[-3000:]  # the newest before the crash
     (preempted,) = (run_dir / "checkpoints").glob("step-*")  # committed at the step the signal stopped
     assert verify(preempted)["global_step"] == int(preempted.name.removeprefix("step-")) >= 260
 
-    proc = _train(here, "ckpt_path=latest", timeout=400)
+    proc = _train(here, "ckpt_path=latest", timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {preempted}" in proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -370,9 +398,12 @@ def test_the_main_job_runs_on_the_package_and_lightning_ddp_stays_for_comparison
     assert not dist.is_initialized()
 
 
-def test_latest_in_lightning_format_is_the_highest_step_that_loads_with_training_state(tmp_path: Path) -> None:
-    root = tmp_path / "checkpoints"
-    root.mkdir()
+def test_latest_is_one_rule_in_the_format_the_runs_strategy_loads(tmp_path: Path) -> None:
+    # ckpt_path=latest under ddp and a sweep resuming a job go through lightning_scale.core.checkpoint.latest:
+    # by step (not modification time), verified, in the format the strategy loads.
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True)
     full = {"optimizer_states": [{}], "loops": {}, "state_dict": {"w": torch.zeros(4)}}
     torch.save({**full, "global_step": 5}, root / "epoch=0-step=5.ckpt")
     torch.save({**full, "global_step": 8}, root / "step-000008.ckpt")
@@ -381,13 +412,17 @@ def test_latest_in_lightning_format_is_the_highest_step_that_loads_with_training
     written = io.BytesIO()
     torch.save({**full, "global_step": 20}, written)
     (root / "step-000020.ckpt").write_bytes(written.getvalue()[:200])  # a save killed half way
-    with pytest.warns(UserWarning) as caught:
-        found = latest_lightning_checkpoint([root, tmp_path / "missing"])
-    assert found == root / "step-000008.ckpt"
-    messages = " ".join(str(w.message) for w in caught)
-    assert "step-000020.ckpt, which does not load" in messages
-    assert "weights-step=12.ckpt: no optimizer or loop state" in messages
-    assert latest_lightning_checkpoint([tmp_path / "missing"]) is None
+    (root / "copied-back.ckpt").write_bytes((root / "epoch=0-step=5.ckpt").read_bytes())  # the newest file, step 5
+    sharded = save_sharded(
+        root / "step-000003", {"w": torch.zeros(4)}, metadata={"global_step": 3, "wandb_run_id": "w1"}, token="t"
+    )
+    ddp = _cfg("strategy=ddp", "ckpt_path=latest", run_dir=run_dir)
+    with pytest.warns(RuntimeWarning, match=r"step-000020\.ckpt does not load"):
+        assert resume_checkpoint(ddp) == str(root / "step-000008.ckpt")
+    with pytest.warns(RuntimeWarning):
+        assert resumable_checkpoint(_cfg("strategy=ddp", run_dir=run_dir)) == (str(root / "step-000008.ckpt"), None)
+    assert resumable_checkpoint(_cfg(run_dir=run_dir)) == (str(sharded), "w1")  # hybrid: its sharded directories
+    assert resumable_checkpoint(_cfg(run_dir=tmp_path / "new")) == (None, None)
 
 
 @pytest.mark.slow

@@ -22,9 +22,10 @@ from helpers.models import StackModule
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_scale.callbacks import HangWatchdog
 from lightning_scale.core.resilience.hang_report import PHASES, laggards, summary_text
 from lightning_scale.core.resilience.watchdog import HangTimeout, StepWatchdog, hang_timeout_policy
-from lightning_scale.plugins import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE, HangWatchdog
+from lightning_scale.plugins import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE
 from lightning_scale.strategies import HybridParallelStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,24 +248,17 @@ def test_rank_one_stalls_in_a_step_both_ranks_write_stacks_the_summary_names_it_
 
 
 class _Beats(Callback):
-    """At the last step: whether the strategy beats the watchdog's heart and its callback's hooks are out of
-    Lightning's dispatch."""
+    """At the last step: the strategy's own watchdog, beaten by its methods (no callback of it in the fit)."""
 
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
-        if watchdogs and trainer.global_step == trainer.max_steps:
-            dog = watchdogs[0]
-            self.seen = {
-                "beaten_by_strategy": trainer.strategy._heartbeat is dog.watchdog is not None,
-                "hooks_skipped": [
-                    h for h in ("on_train_batch_start", "on_train_batch_end") if vars(dog).get(h, 0) is None
-                ],
-                "batches_started": dog.watchdog._started,
-                "steps_timed": dog.watchdog._completed,
-            }
+        dog = trainer.strategy.resilience.watchdog
+        if trainer.global_step == trainer.max_steps:
+            self.seen = {"running": dog is not None}
+            if dog is not None:
+                self.seen |= {"batches_started": dog._started, "steps_timed": dog._completed}
 
 
 def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -276,40 +270,148 @@ def _fit_normally(rank: int, world: int, root: str) -> dict[str, Any]:
             devices=world, strategy=strategy, max_steps=12, default_root_dir=root, callbacks=[beats]
         )
         trainer.fit(StackModule(), train_dataloaders=_data())
-        watchdogs = [c for c in trainer.callbacks if isinstance(c, HangWatchdog)]
         found[str(timeout)] = {
-            "first": bool(watchdogs) and trainer.callbacks[0] is watchdogs[0],
-            "count": len(watchdogs),
+            "callbacks": [type(c).__name__ for c in trainer.callbacks if isinstance(c, HangWatchdog)],
             "running": [t.name for t in threading.enumerate() if t.name == "lightning-scale-hang-watchdog"],
             "step": trainer.global_step,
             "beats": beats.seen,
-            "restored": not watchdogs
-            or ("on_train_batch_start" not in vars(watchdogs[0]) and trainer.strategy._heartbeat is None),
+            "stopped": strategy.resilience.watchdog is None,
         }
     return found
 
 
 def test_a_normal_run_never_triggers_it_and_zero_turns_it_off(tmp_path: Path) -> None:
     on, off = run_distributed(_fit_normally, 2, str(tmp_path), timeout=240)[1].values()
-    # Under the strategy its own methods beat the heart (12 batches started; each of the 11 before the last timed by
-    # the next one's start, but the epoch's last, 8 batches an epoch, which the epoch's end paused) and the
-    # callback's per-step hooks are out of Lightning's dispatch; both undone when the fit ends.
-    beats = {
-        "beaten_by_strategy": True,
-        "hooks_skipped": ["on_train_batch_start", "on_train_batch_end"],
-        "batches_started": 12,
-        "steps_timed": 10,
-    }
+    # The strategy's own methods beat the heart (12 batches started; each of the 11 before the last timed by the
+    # next one's start), with no callback in the fit; stopped when the fit ends.
     assert on == {
-        "first": True,
-        "count": 1,
+        "callbacks": [],
         "running": [],
         "step": 12,
-        "beats": beats,
-        "restored": True,
-    }  # added first, stopped after
-    assert off == {"first": False, "count": 0, "running": [], "step": 12, "beats": {}, "restored": True}
+        "beats": {"running": True, "batches_started": 12, "steps_timed": 11},
+        "stopped": True,
+    }
+    assert off == {"callbacks": [], "running": [], "step": 12, "beats": {"running": False}, "stopped": True}
     assert not (tmp_path / "hang").exists()
+
+
+# ---------------------------------------------------------------- what a healthy job does is not a hang (issue 39)
+
+
+class _SlowSave(Callback):
+    """Every rank's first checkpoint hook takes twice the limit (a slow upload, a large state to gather)."""
+
+    def __init__(self) -> None:
+        self.slept = False
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if not self.slept:
+            self.slept = True
+            time.sleep(2 * FLOOR_S)
+
+
+class _SlowValidation(StackModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(2 * FLOOR_S)  # every rank: a validation twice as long as the limit of a step
+        return super().validation_step(batch, batch_idx)
+
+
+class _SkippedCollective(StackModule):
+    """The first step of the resumed fit: rank 0 enters an all-reduce rank 1 never reaches (both in its forward)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 4:
+            if self.global_rank == 1:
+                _stall_rank_one(Path(self.trainer.default_root_dir))
+            dist.all_reduce(torch.ones(1))
+        return super().training_step(batch, batch_idx)
+
+
+def _healthy_then_resumed_and_stalled(rank: int, world: int, root: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    limit = {"floor_s": FLOOR_S, "warmup_s": 120}  # 120 s for the run's first 3 steps, as the torchrun test
+    saves = {"dirpath": f"{root}/ckpt", "every_n_train_steps": 4, "save_top_k": -1}
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HybridParallelStrategy(data_parallel=world, hang_timeout=limit),
+        max_steps=6,
+        default_root_dir=root,
+        enable_checkpointing=True,
+        callbacks=[_SlowSave(), ModelCheckpoint(**saves)],
+        limit_val_batches=1,
+        val_check_interval=5,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(_SlowValidation(), train_dataloaders=_data(), val_dataloaders=_data())
+    Path(root, f"healthy_fit_done_{rank}").write_text(str(trainer.global_step))
+    # The run resumed at step 4 (a restart's auto-resume does the same): past the warm-up steps, its first step is
+    # timed against the 3 s floor, not the warm-up's 120 s.
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HybridParallelStrategy(data_parallel=world, hang_timeout=limit),
+        max_steps=10,
+        default_root_dir=root,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(**(saves | {"every_n_train_steps": 100}))],
+    )
+    trainer.fit(_SkippedCollective(), train_dataloaders=_data(), ckpt_path="latest")
+
+
+def test_slow_checkpoint_hooks_and_validation_are_untimed_and_a_resumed_stall_is_named_in_its_collective(
+    tmp_path: Path,
+) -> None:
+    # No flight recorder: the ranks' own beats and stacks name the rank that never entered the all-reduce.
+    env = {"TORCH_FR_BUFFER_SIZE": ""} if "TORCH_FR_BUFFER_SIZE" in os.environ else None
+    with pytest.raises(DistributedTestError) as failure:
+        run_distributed(_healthy_then_resumed_and_stalled, 2, str(tmp_path), timeout=240, env=env)
+    # A checkpoint hook and a validation of twice the limit each: the first fit ran to its end on both ranks.
+    assert [(tmp_path / f"healthy_fit_done_{r}").read_text() for r in (0, 1)] == ["6", "6"], failure.value
+    assert failure.value.exit_codes == {0: HANG_EXIT_CODE, 1: HANG_EXIT_CODE}, failure.value
+    hang = tmp_path / "hang"
+    stalled_at = float((tmp_path / "stalled_at").read_text())
+    for rank in (0, 1):  # within the limit after the restart, not the warm-up allowance (120 s)
+        assert (hang / f"rank{rank}.txt").stat().st_mtime - stalled_at < FLOOR_S + 10, rank
+    summary = (hang / "summary.txt").read_text()
+    assert "Ranks that never reached the point the others wait at: 1\n" in summary, summary
+    assert "rank 1: never entered the collective rank(s) 0 wait in (all_reduce (distributed_c10d.py:" in summary
+    assert "in forward of batch 0 (global step 4)" in summary and "in _stall_rank_one" in summary, summary
+    (event,) = [json.loads(line) for line in (hang / "events.jsonl").read_text().splitlines()]
+    assert event["laggards"] == [1] and event["records"]["0"]["collective"].startswith("all_reduce")
+    assert event["records"]["1"]["collective"] is None and event["records"]["1"]["collectives"] == {}
+
+
+def test_the_watchdog_and_preemption_callbacks_are_refused_beside_the_strategys_own(tmp_path: Path) -> None:
+    from lightning_scale.callbacks import PreemptionCheckpoint
+    from lightning_scale.plugins import ShardedCheckpointIO
+
+    for callback, match in [
+        (HangWatchdog(), r"HybridParallelStrategy runs a hang watchdog of its own \(hang_timeout='auto'\).*"),
+        (PreemptionCheckpoint(), r"HybridParallelStrategy handles SIGTERM and SIGUSR1 itself.*preemption=False"),
+    ]:
+        trainer = quiet_trainer(devices=1, strategy=HybridParallelStrategy(), callbacks=[callback], max_steps=1)
+        with pytest.raises(ValueError, match=match):
+            callback.setup(trainer, StackModule(), "fit")
+    # With the strategy's own off, the callbacks are the ones in charge (their own options).
+    for callback in (HangWatchdog(5), PreemptionCheckpoint(("SIGUSR1",))):
+        strategy = HybridParallelStrategy(hang_timeout=0, checkpoint_io=ShardedCheckpointIO(preemption=False))
+        callback.setup(quiet_trainer(devices=1, strategy=strategy, callbacks=[callback]), StackModule(), "fit")
+
+
+def test_the_old_import_paths_warn_and_name_the_new_one() -> None:
+    import importlib
+    import sys
+
+    for module, name, new in [
+        ("lightning_scale.plugins", "HangWatchdog", "lightning_scale.callbacks.hang_watchdog.HangWatchdog"),
+        ("lightning_scale.plugins.hang_watchdog", "HangWatchdog", "lightning_scale.callbacks.hang_watchdog"),
+        ("lightning_scale.plugins.preemption", "PreemptionCheckpoint", "lightning_scale.callbacks.preemption"),
+        ("lightning_scale.plugins.preemption", "Preempted", "lightning_scale.callbacks.preemption"),
+    ]:
+        sys.modules.pop(module, None) if module != "lightning_scale.plugins" else None
+        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+            found = getattr(importlib.import_module(module), name)
+        assert found is getattr(importlib.import_module(new.rpartition(".")[0] if new.endswith(name) else new), name)
 
 
 # ---------------------------------------------------------------- torchrun relaunches, the run resumes

@@ -53,12 +53,13 @@ def test_core_imports_only_torch_and_the_standard_library(path: Path) -> None:
 
 CORE_MAY_IMPORT = {
     "compat": set(),
+    "deprecation": set(),
     "compat_c10d": {"compat"},
     "checks": {"compat"},
     "lr_schedule": {"compat"},
     "parallel": {"compat", "checks"},
-    "checkpoint": {"compat", "checks", "parallel"},
-    "pipeline": {"compat", "checks", "parallel"},
+    "checkpoint": {"compat", "checks", "parallel", "deprecation"},
+    "pipeline": {"compat", "checks", "parallel", "deprecation"},
     "precision": {"compat", "checks", "parallel"},
     "telemetry": {"compat", "checks", "parallel"},
     "planner": {"compat", "checks", "parallel", "pipeline", "telemetry"},
@@ -66,7 +67,8 @@ CORE_MAY_IMPORT = {
 }
 """What each part of ``core`` may import from the rest of it (its own modules aside); the docstring of
 ``lightning_scale/core/__init__.py`` says the same. ``compat`` (torch's private APIs, one shim each) is a
-leaf every part may import."""
+leaf every part may import; ``deprecation`` (old import paths kept working) is a leaf too, declared by the
+parts that keep an old path."""
 
 
 def _core_part(name: str) -> str | None:
@@ -78,8 +80,11 @@ def test_core_is_only_made_of_the_declared_parts() -> None:
     found = {p.stem if p.parent == PKG / "core" else p.relative_to(PKG / "core").parts[0] for p in _files("core")}
     assert found - {"__init__"} == set(CORE_MAY_IMPORT), "a new part of core: declare what it may import"
     # compat is the leaf below every other part: it imports nothing of core, and every part may import it.
-    assert CORE_MAY_IMPORT["compat"] == set()
-    assert all("compat" in allowed for part, allowed in CORE_MAY_IMPORT.items() if part != "compat")
+    # deprecation is a leaf too (the standard library only), declared by the parts that keep an old path.
+    assert CORE_MAY_IMPORT["compat"] == CORE_MAY_IMPORT["deprecation"] == set()
+    assert all(
+        "compat" in allowed for part, allowed in CORE_MAY_IMPORT.items() if part not in ("compat", "deprecation")
+    )
 
 
 @pytest.mark.parametrize("path", _files("core"), ids=lambda p: str(p.relative_to(PKG / "core")))
@@ -108,7 +113,8 @@ def test_adapters_never_import_the_reference_models(sub: str) -> None:
 
 @pytest.mark.parametrize("path", _files("strategies"), ids=lambda p: str(p.relative_to(PKG / "strategies")))
 def test_strategies_never_import_callbacks(path: Path) -> None:
-    # A strategy adds what it needs to a fit (the preemption checkpoint) from plugins/, never from callbacks/.
+    # A strategy does what it needs itself (its hang watchdog and preemption: strategies/hybrid/resilience.py, over
+    # core.resilience) and adds no callback to a fit. Callbacks may import a strategy (to stand aside under it).
     bad = [n for n in _imports(path) if n == "lightning_scale.callbacks" or n.startswith("lightning_scale.callbacks.")]
     assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}; strategies may use plugins and core, not callbacks"
 
@@ -124,7 +130,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
 
 
 def test_the_hugging_face_integration_does_not_import_transformers() -> None:
-    # `import lightning_scale` registers it; it must stay light and work without the extra.
+    # The strategies register it (after `import lightning_scale`); it must stay light and work without the extra.
     bad = [n for p in (PKG / "integrations").rglob("*.py") for n in _imports(p) if n.split(".")[0] == "transformers"]
     assert not bad, bad
 
@@ -304,3 +310,52 @@ def test_no_module_grows_past_several_jobs() -> None:
         str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 700
     }
     assert not long, long
+
+
+CALLBACKS_ELSEWHERE = {
+    # The Hydra app's own bookkeeping (the top layer, not the library's API): the validation record and CSV history
+    # of lightning-scale-train, the sweep's summary.
+    "cli/results.py": {"ValidationRecord", "CsvHistory"},
+    "cli/sweep.py": {"SweepSummary"},
+    # The data module's re-count of the fit loop's position, added by TextDataModule itself (no user adds it).
+    "data/progress.py": {"LoaderBatchProgress"},
+}
+"""Lightning ``Callback`` subclasses defined outside ``lightning_scale/callbacks/``, each with why."""
+
+
+def _callback_classes(files: list[Path], root: Path = PKG) -> dict[str, set[str]]:
+    """File (relative to ``root``) -> the classes defined in it that derive from Lightning's ``Callback``, through
+    any chain of the files' own classes (bases compared by their last dotted name)."""
+    bases: dict[tuple[str, str], set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                names = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+                bases[(str(path.relative_to(root)), node.name)] = names
+    callbacks = {"Callback"}
+    while True:
+        found = {name for (_, name), of in bases.items() if of & callbacks} | {"Callback"}
+        if found == callbacks:
+            break
+        callbacks = found
+    out: dict[str, set[str]] = {}
+    for (file, name), of in bases.items():
+        if of & callbacks:
+            out.setdefault(file, set()).add(name)
+    return out
+
+
+def test_callbacks_are_defined_in_callbacks_only() -> None:
+    # Strategies and plugins own collaborators, not callbacks (issue 39): a callback elsewhere is one a strategy or
+    # plugin would add to the user's fit behind their back, paying Lightning's per-step dispatch.
+    found = _callback_classes(sorted(PKG.rglob("*.py")))
+    elsewhere = {f: names for f, names in found.items() if not f.startswith("callbacks/")}
+    assert elsewhere == CALLBACKS_ELSEWHERE, f"Callback subclasses outside lightning_scale/callbacks/: {elsewhere}"
+    assert {"HangWatchdog", "PreemptionCheckpoint", "CheckpointIntervalAdvisor"} <= set().union(*found.values())
+
+
+def test_the_callback_check_sees_a_planted_callback(tmp_path: Path) -> None:
+    # Guard against a check that can never fail: a callback through a chain of the package's own classes.
+    (tmp_path / "a.py").write_text("from lightning.pytorch import Callback\nclass Base(Callback): ...\n")
+    (tmp_path / "b.py").write_text("import a\nclass Mine(a.Base): ...\nclass Other: ...\n")
+    assert _callback_classes(sorted(tmp_path.glob("*.py")), tmp_path) == {"a.py": {"Base"}, "b.py": {"Mine"}}

@@ -286,7 +286,9 @@ def _check_bf16(results: list[dict[str, Any]], reference: dict[str, Any], fsdp: 
         losses = [s["loss"] for s in result["steps"]]
         torch.testing.assert_close(losses, ref, rtol=1e-2, atol=0)
         assert result["optimizer_dtypes"] == ["torch.float32"] and result["param_dtypes"] == ["torch.float32"]
-        assert all(s["collectives"] == 1 for s in result["steps"]), [s["collectives"] for s in result["steps"]]
+        # One for the norm, the overflow decision and clipping; one for the preemption flag, which the strategy
+        # agrees on inside its optimizer step (its resilience collaborator).
+        assert all(s["collectives"] == 2 for s in result["steps"]), [s["collectives"] for s in result["steps"]]
 
 
 @pytest.mark.parametrize(
@@ -324,7 +326,9 @@ def _check_injected(results: list[dict[str, Any]]) -> None:
         assert result["steps"][INJECT_STEP]["lr"] == result["steps"][INJECT_STEP - 1]["lr"]
         assert result["state"]["skipped_steps"] == 1 and result["state"]["scaler"]["skipped_steps"] == 1
         assert result["steps"][INJECT_STEP]["grad_norm"] == float("inf")
-        assert all(s["collectives"] == 1 for s in result["steps"]), [s["collectives"] for s in result["steps"]]
+        # One for the norm, the overflow decision and clipping; one for the preemption flag, which the strategy
+        # agrees on inside its optimizer step (its resilience collaborator).
+        assert all(s["collectives"] == 2 for s in result["steps"]), [s["collectives"] for s in result["steps"]]
     assert len({repr(r["state"]) for r in results}) == 1
 
 

@@ -21,8 +21,8 @@ NEEDED = {
     # The global gradient norm for clipping (trainer.gradient_clip_val=1.0), which also decides the step.
     ("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats"),
     # The preemption agreement, once per optimizer step.
-    ("c10d.allreduce_", "plugins/preemption.py:_anyone_signalled"),
-    (SCALAR_READ, "plugins/preemption.py:_anyone_signalled"),
+    ("c10d.allreduce_", "core/resilience/preemption.py:anyone_signalled"),
+    (SCALAR_READ, "core/resilience/preemption.py:anyone_signalled"),
     (SCALAR_READ, OPTIMIZER),
 }
 
@@ -69,7 +69,7 @@ def test_steps_between_logging_steps_run_only_the_collectives_and_syncs_training
             extra = {site: n for site, n in steps[step].items() if site not in NEEDED}
             assert not extra, f"rank {rank}, step {step}: {extra}"
             ours = steps[step]
-            assert ours[("c10d.allreduce_", "plugins/preemption.py:_anyone_signalled")] == 1
+            assert ours[("c10d.allreduce_", "core/resilience/preemption.py:anyone_signalled")] == 1
             assert ours[("c10d.allreduce_", "core/precision/grad_norm.py:gradient_stats")] == 1
 
 

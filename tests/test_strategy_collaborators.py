@@ -4,7 +4,10 @@ gloo group where a collective is part of the behaviour)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import re
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +23,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_scale.callbacks import PreemptionCheckpoint
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.parallel.data_parallel import gradient_sync_blocked
 from lightning_scale.core.parallel.layout import Layout
@@ -45,41 +47,62 @@ def one_process_group() -> Iterator[None]:
 # ------------------------------------------------------------------ options, declared once
 
 
-def test_the_signature_lists_every_option_with_its_default() -> None:
+def test_the_signature_spells_out_every_option_as_parallel_options_declares_it() -> None:
+    # The constructor's signature is written out (IDEs, type checkers and the API reference read it
+    # statically); ParallelOptions declares the same options once more, with their checks: they must agree.
     params = inspect.signature(HybridParallelStrategy).parameters
     names = ParallelOptions.names()
     assert list(params)[: len(names)] == names
-    defaults = ParallelOptions()
-    for name in names:
-        assert params[name].default == getattr(defaults, name), name
-    kinds = {name: params[name].kind for name in names}
-    assert [n for n, k in kinds.items() if k is inspect.Parameter.POSITIONAL_OR_KEYWORD] == [
-        "data_parallel",
-        "tensor_parallel",
-        "pipeline_parallel",
-    ]
     lightning = ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]
-    assert set(lightning + ["process_group_backend", "timeout"]) == set(list(params)[len(names) :])
+    assert list(params)[len(names) :] == [*lightning, "process_group_backend", "timeout"]
+    declared = {f.name: f for f in dataclasses.fields(ParallelOptions) if f.init}
+    hints, declared_hints = (
+        typing.get_type_hints(HybridParallelStrategy.__init__),
+        typing.get_type_hints(ParallelOptions),
+    )
+    for name in names:
+        assert params[name].default == declared[name].default, name
+        assert type(params[name].default) is type(declared[name].default), name  # 1 is not True
+        assert hints[name] == declared_hints[name], (name, hints[name], declared_hints[name])
+    sizes = ["data_parallel", "tensor_parallel", "pipeline_parallel"]
+    assert [n for n, p in params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY] == sizes
+    assert not [p for p in params.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def test_the_docstring_documents_every_parameter_once() -> None:
+    # mkdocstrings renders the Args section as the API reference's parameter table: one entry per parameter.
+    doc = inspect.getdoc(HybridParallelStrategy) or ""
+    section = doc.split("\nArgs:\n", 1)[1]
+    documented = re.findall(r"^    (\w+): \S", section, flags=re.MULTILINE)
+    assert documented == list(inspect.signature(HybridParallelStrategy).parameters)
 
 
 def test_options_are_taken_by_position_and_by_name() -> None:
     strategy = HybridParallelStrategy(2, 2, schedule="gpipe", virtual_stages=3)
     assert (strategy.options.data_parallel, strategy.options.tensor_parallel) == (2, 2)
     assert strategy.options.schedule == "gpipe" and strategy.options.virtual_stages == 3
+    assert HybridParallelStrategy(1, 1, 2).options.pipeline_parallel == 2
     assert HybridParallelStrategy(pipeline_parallel="auto").options.pipeline_parallel == "auto"
+    # Every option reaches the checked options, not only the sizes.
+    given = {"loss_name": "{stage}_loss", "hang_timeout": 30.0, "global_batch_change": "allow", "bucket_cap_mb": 5}
+    options = HybridParallelStrategy(**given).options
+    assert {name: getattr(options, name) for name in given} == given
+    assert options == ParallelOptions(**given)
 
 
 @pytest.mark.parametrize(
-    ("args", "kwargs", "match"),
+    ("args", "kwargs", "error", "match"),
     [
-        ((), {"data_paralel": 2}, r"unexpected keyword argument 'data_paralel': did you mean 'data_parallel'\?"),
-        ((), {"zzz": 1}, r"unexpected keyword argument 'zzz': its options are data_parallel, tensor_parallel"),
-        ((1, 1, 1, 1), {}, r"at most 3 positional arguments \(data_parallel, tensor_parallel, pipeline_parallel\) "),
-        ((2,), {"data_parallel": 2}, r"got multiple values for argument 'data_parallel'"),
+        ((), {"data_paralel": 2}, TypeError, r"unexpected keyword argument 'data_paralel'"),
+        ((1, 1, 1, 1), {}, TypeError, r"takes from 1 to 4 positional arguments but 5 were given"),
+        ((1, 1, 1), {"layout": "x"}, ValueError, r"layout='x' must be"),
+        ((2,), {"data_parallel": 2}, TypeError, r"got multiple values for argument 'data_parallel'"),
+        ((0,), {}, ValueError, r"data_parallel=0 must be a positive integer or 'auto'"),
+        (("2",), {}, ValueError, r"data_parallel='2' must be a positive integer or 'auto'"),
     ],
 )
-def test_arguments_that_are_no_option_are_refused_naming_the_options(args: tuple, kwargs: dict, match: str) -> None:
-    with pytest.raises(TypeError, match=match):
+def test_arguments_that_are_no_option_are_refused(args: tuple, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
         HybridParallelStrategy(*args, **kwargs)
 
 
@@ -388,14 +411,13 @@ def test_the_path_resolver_is_installed_once_per_trainer(tmp_path: Path) -> None
         wrapped("latest")
 
 
-def test_a_fit_gets_one_preemption_checkpoint_unless_the_io_says_no(tmp_path: Path) -> None:
-    trainer, checkpoints = _trainer(tmp_path), ShardedCheckpoints()
-    checkpoints.add_preemption_checkpoint(trainer, ShardedCheckpointIO())
-    checkpoints.add_preemption_checkpoint(trainer, ShardedCheckpointIO())
-    assert [type(c) for c in trainer.callbacks] == [PreemptionCheckpoint]
-    trainer = _trainer(tmp_path)
-    checkpoints.add_preemption_checkpoint(trainer, ShardedCheckpointIO(preemption=False))
-    assert trainer.callbacks == []
+def test_the_strategy_adds_no_resilience_callback_to_a_fit(tmp_path: Path) -> None:
+    # The watchdog and the preemption handling are the strategy's own collaborator, called from its methods.
+    strategy = HybridParallelStrategy()
+    assert strategy.resilience.policy is not None and strategy.resilience.watchdog is None  # started by on_train_start
+    assert HybridParallelStrategy(hang_timeout=0).resilience.policy is None
+    assert not hasattr(ShardedCheckpoints, "add_preemption_checkpoint")
+    assert HybridParallelStrategy.__mro__[1].__name__ == "ParallelStrategy"  # one base class, no mixin
 
 
 def test_storage_options_must_be_a_mapping_for_the_manifest() -> None:

@@ -139,7 +139,9 @@ class CostMonitor(telemetry.SharedTelemetry):
         offers = device_offers(name)
         price = offers[0] if offers else None
         if price is None:
-            rank_zero_warn(
+            # A CPU has no rental price to know: said, not warned (the default job runs on one).
+            say = rank_zero_info if name == "cpu" else rank_zero_warn
+            say(
                 f"CostMonitor: no price is known for {name!r}, so cost/usd is not logged. Pass "
                 "CostMonitor(price_per_device_hour=...) in USD per device-hour."
             )

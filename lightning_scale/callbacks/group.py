@@ -23,8 +23,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_scale._lightning_hooks import STEP_HOOKS, restore_hooks, skip_hooks
 from lightning_scale.callbacks._telemetry import CallbackSet, SharedTelemetry, StepRecorder, each_callback
 from lightning_scale.callbacks.console import ConsoleLogger
-from lightning_scale.plugins.hang_watchdog import HangWatchdog
-from lightning_scale.plugins.preemption import PreemptionCheckpoint
+from lightning_scale.callbacks.hang_watchdog import HangWatchdog
+from lightning_scale.callbacks.preemption import PreemptionCheckpoint
 
 __all__ = ["CallbackGroup", "each_callback", "group_callbacks"]
 

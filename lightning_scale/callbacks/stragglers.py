@@ -17,8 +17,9 @@ from typing_extensions import override
 
 from lightning_scale.callbacks import _telemetry as telemetry
 from lightning_scale.core.pipeline.timing import TimerReader
+from lightning_scale.core.resilience.preemption import Preempted
 from lightning_scale.core.resilience.stragglers import STRAGGLER_EXIT_CODE, SlowStreaks, record_exclusion
-from lightning_scale.plugins.preemption import Preempted, commit_checkpoint
+from lightning_scale.plugins._checkpoint_commit import commit_checkpoint
 
 __all__ = ["STRAGGLER_EXIT_CODE", "StragglerMonitor", "StragglerRestart"]
 

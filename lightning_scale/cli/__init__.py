@@ -22,4 +22,11 @@
 The other apps stand apart: ``report`` (reads a study through ``results``, plots with ``report_plots``),
 ``ckpt`` and ``prepare`` import no other ``cli`` module, ``plan`` (the planner's Hydra app) only
 ``plan_sizing`` (compute-optimal sizing for a budget) and ``plan_calibrate`` (``lightning-scale-plan calibrate``).
+
+0.1.0's ``lightning_scale.cli.launch`` (split into ``environment`` and ``resolvers``) still imports, with a
+``DeprecationWarning``, until 0.3.0.
 """
+
+from lightning_scale.core.deprecation import moved_modules
+
+moved_modules(__name__, {"launch": ("lightning_scale.cli.environment", "lightning_scale.cli.resolvers")})

@@ -329,6 +329,8 @@ def job_results(
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "accelerator": trainer.strategy.root_device.type,
+        # CPU runs: each process's intra-op threads (processes x threads over the cores: oversubscribed?).
+        "threads_per_process": torch.get_num_threads(),
         "global_batch_size": datamodule.global_batch_size,
         "seq_len": datamodule.seq_len,
         "global_step": trainer.global_step,
@@ -394,6 +396,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "git_commit": commit,
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "threads_per_process": torch.get_num_threads(),
         "accelerator": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": trainer.world_size,

@@ -1,26 +1,27 @@
 """Which checkpoint ``lightning-scale-train`` resumes from (``ckpt_path``), under every strategy it offers.
 
-``HybridParallelStrategy`` resolves ``"latest"`` itself, collectively, among its sharded checkpoint
-directories (the newest that verifies), and resumes a relaunched process on its own
-(``ShardedCheckpointIO(auto_resume="on_restart")``). Lightning's own strategies (``strategy=ddp``)
-know neither, so for them both happen here, in Lightning's format: a ``.ckpt`` file per checkpoint.
-A sweep job that ran before resumes from its newest checkpoint (:func:`resumable_checkpoint`).
+``"latest"`` means one thing everywhere: :func:`lightning_scale.core.checkpoint.latest.latest` (the
+run's own highest step that verifies, then the run that saved most recently). ``HybridParallelStrategy``
+resolves it itself, collectively, among its sharded checkpoint directories, and resumes a relaunched
+process on its own (``ShardedCheckpointIO(auto_resume="on_restart")``). Lightning's own strategies
+(``strategy=ddp``) know neither, so for them both happen here, among Lightning's ``.ckpt`` files.
+A sweep job that ran before resumes from its ``"latest"`` too (:func:`resumable_checkpoint`).
 Imports nothing else from ``cli`` (see ``cli/__init__.py``).
 """
 
 from __future__ import annotations
 
-import pickle
+import warnings
 from pathlib import Path
 
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
-from lightning_scale.core.checkpoint.format import latest
+from lightning_scale.core.checkpoint.latest import latest
+from lightning_scale.core.deprecation import moved_message
 from lightning_scale.plugins.checkpoint_io import restarted
 
-__all__ = ["check_checkpoint_path", "latest_lightning_checkpoint", "resumable_checkpoint", "resume_checkpoint"]
+__all__ = ["check_checkpoint_path", "checkpoint_formats", "resumable_checkpoint", "resume_checkpoint"]
 
 
 def _strategy_target(cfg: DictConfig) -> str:
@@ -70,38 +71,19 @@ def _checkpoint_roots(cfg: DictConfig) -> list[Path]:
     return list(dict.fromkeys([*roots, Path(cfg.run_dir) / "checkpoints"]))
 
 
-def latest_lightning_checkpoint(roots: list[Path]) -> Path | None:
-    """``"latest"`` in Lightning's own format (a ``.ckpt`` file per checkpoint, e.g. ``strategy=ddp``): of
-    the ``*.ckpt`` files in ``roots``, the one with the highest step (the newest of equal steps) that loads
-    with ``torch.load(weights_only=True)`` and holds training state (optimizer and loops: a weights-only
-    checkpoint cannot resume a run). Every file passed over gets a warning naming it and why."""
-    found: list[tuple[int, float, Path]] = []
-    seen: set[Path] = set()
-    for root in roots:
-        for file in sorted(root.glob("*.ckpt")) if root.is_dir() else []:
-            real = file.resolve()  # last.ckpt may be a link to a checkpoint listed too
-            if not real.is_file() or real in seen:
-                continue
-            seen.add(real)
-            try:
-                # Memory-mapped: the tensors are not read, only the archive's index and the pickled structure.
-                state = torch.load(real, map_location="cpu", mmap=True, weights_only=True)
-            except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
-                rank_zero_warn(f"Skipping {file}, which does not load: {type(err).__name__}: {str(err)[:300]}")
-                continue
-            if not isinstance(state, dict) or not {"optimizer_states", "loops"} <= state.keys():
-                rank_zero_warn(
-                    f"Skipping {file}: no optimizer or loop state (saved with weights only?), nothing to resume."
-                )
-                continue
-            found.append((int(state.get("global_step", -1)), real.stat().st_mtime, real))
-    return max(found)[2] if found else None
+def checkpoint_formats(cfg: DictConfig) -> tuple[str, ...]:
+    """The checkpoint formats the run's strategy loads, for ``"latest"``: ``("sharded",)`` under
+    ``HybridParallelStrategy``, ``("lightning",)`` (``.ckpt`` files) under Lightning's strategies, none
+    under DeepSpeed (directories of its own format)."""
+    if _sharded(cfg):
+        return ("sharded",)
+    return () if "deepspeed" in _strategy_target(cfg).lower() else ("lightning",)
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
     """What ``Trainer.fit(ckpt_path=...)`` gets. Under ``HybridParallelStrategy``, ``"latest"`` (and a
     relaunch with no ``ckpt_path``) is resolved by the strategy, collectively; under Lightning's
-    strategies it is resolved here (:func:`latest_lightning_checkpoint`), the same on every rank: no
+    strategies it is resolved here (among ``.ckpt`` files), the same on every rank: no
     rank writes a checkpoint before every rank has started."""
     path = cfg.get("ckpt_path")
     if _sharded(cfg):
@@ -111,28 +93,39 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     if path != "latest":
         return None if path is None else _existing_checkpoint(cfg)
     roots = _checkpoint_roots(cfg)
-    found = latest_lightning_checkpoint(roots)
+    found = latest(roots, formats=checkpoint_formats(cfg), warn=getattr(rank_zero_only, "rank", 0) == 0)
     if found is None:
         rank_zero_warn(
-            f"ckpt_path='latest': no checkpoint that loads in {', '.join(map(str, roots))}; starting from scratch."
+            f"ckpt_path='latest': no .ckpt file with training state that verifies in {', '.join(map(str, roots))}; "
+            "starting from scratch."
         )
         return None
-    return str(found)
+    return str(found.path)
 
 
 def resumable_checkpoint(cfg: DictConfig) -> tuple[str | None, str | None]:
-    """(checkpoint to resume from, the wandb run id it records) for a sweep job that ran before, in its
-    checkpoint directory: the newest sharded checkpoint that verifies, else ``last.ckpt``, else the newest
-    ``.ckpt`` file."""
-    node = (cfg.get("callbacks") or {}).get("checkpoint") or {}
-    root = Path(node.get("dirpath") or Path(cfg.run_dir) / "checkpoints")
-    if not root.is_dir():
+    """(checkpoint to resume from, the wandb run id it records) for a sweep job that ran before: its
+    ``"latest"`` in the run's checkpoint directories, in the format its strategy loads (under DeepSpeed,
+    whose checkpoints ``"latest"`` does not read, ``last.ckpt`` when there is one)."""
+    roots = _checkpoint_roots(cfg)
+    formats = checkpoint_formats(cfg)
+    if not formats:
+        last = roots[0] / "last.ckpt"
+        return (str(last) if last.exists() else None), None
+    found = latest(roots, formats=formats)
+    if found is None:
         return None, None
-    found = latest(root)  # sharded checkpoints: the newest that verifies
-    if found is not None:
-        return str(found.path), found.manifest.get("wandb_run_id")
-    last = root / "last.ckpt"
-    if last.is_file():
-        return str(last), None
-    files = sorted(root.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return (str(files[-1]) if files else None), None
+    recorded = found.manifest.get("wandb_run_id")
+    return str(found.path), recorded if isinstance(recorded, str) else None
+
+
+def latest_lightning_checkpoint(roots: list[Path]) -> Path | None:
+    """Deprecated: ``lightning_scale.core.checkpoint.latest.latest(roots, formats=("lightning",))`` (the one rule
+    of "latest"). The ``.ckpt`` file it names, as 0.1.0 returned it."""
+    warnings.warn(
+        moved_message(f"{__name__}.latest_lightning_checkpoint", "lightning_scale.core.checkpoint.latest.latest"),
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    found = latest(roots, formats=("lightning",))
+    return Path(found.path) if found is not None else None

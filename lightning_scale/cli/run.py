@@ -6,6 +6,7 @@ from ``cli`` ``environment``, ``job_config``, ``results`` and ``resume`` (see ``
 from __future__ import annotations
 
 import json
+import logging
 import random
 import string
 import subprocess
@@ -83,6 +84,21 @@ def prepare_job(cfg: DictConfig, job: dict[str, Any]) -> None:
         write_json(run_dir / JOB_FILE, {**previous, **job})
 
 
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+def drop_lightning_tips() -> None:
+    """Drop Lightning's advertisements ("💡 Tip: ... try installing litlogger", printed by every ``Trainer``
+    whose loggers hold no ``LitLogger``) from the console of ``lightning-scale-train``: nothing its user can
+    act on. They come through ``rank_zero_info``, on the logger of ``lightning.pytorch.utilities.rank_zero``
+    (``tests/test_cli.py`` checks the quickstart's output has none); idempotent."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in logger.filters):
+        logger.addFilter(_NoTips())
+
+
 def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRecord]:
     """Instantiate (module, datamodule, trainer) after checking everything checkable up front
     (:func:`preflight`)."""
@@ -103,6 +119,7 @@ def build(cfg: DictConfig) -> tuple[LightningModule, Any, Trainer, ValidationRec
         # HybridParallelStrategy adds one to every fit; Lightning's strategies do not, and their own SIGTERM
         # handling ends the run with status 0 and no checkpoint, so a scheduler would take it as finished.
         callbacks.append(PreemptionCheckpoint())
+    drop_lightning_tips()
     trainer = instantiate(
         cfg.trainer,
         strategy=strategy,

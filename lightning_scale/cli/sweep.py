@@ -65,8 +65,19 @@ from lightning_scale.cli.resume import resumable_checkpoint
 from lightning_scale.cli.run import prepare_job, run
 from lightning_scale.cli.sweep_dirs import ConfigMismatch, JobDirBusy, finished_results, hold_job_dir, release_job_dir
 from lightning_scale.cli.sweep_launch import LOG_FILE, PROGRESS_EVERY_S, say, tail, torchrun
+from lightning_scale.core.deprecation import moved_names
 
 __all__ = ["SweepSummary", "check_sweep_options", "failed_jobs", "run_job"]
+
+# 0.1.0 exported these from here; they went down the chain (issue 25).
+__getattr__ = moved_names(
+    __name__,
+    {
+        "die_with_parent": "lightning_scale.cli.environment.die_with_parent",
+        "job_dir_for": "lightning_scale.cli.sweep_dirs.job_dir_for",
+        "study_name": "lightning_scale.cli.environment.study_name",
+    },
+)
 
 _FAILED: list[int] = []  # failed jobs of the last multirun in this process (the exit status)
 # Jobs of this process's multirun that ended without a record of their own (refused: another process holds

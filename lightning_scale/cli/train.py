@@ -38,9 +38,21 @@ from lightning_scale.cli.job_config import job_info, layout_of
 from lightning_scale.cli.resolvers import register_resolvers
 from lightning_scale.cli.run import prepare_job, run, threads_left
 from lightning_scale.cli.sweep import failed_jobs, run_job
+from lightning_scale.core.deprecation import moved_names
 from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV
 
 __all__ = ["main"]
+
+# 0.1.0 exported these from here; they went down the chain (issue 25).
+__getattr__ = moved_names(
+    __name__,
+    {
+        "LayoutNotAdmitted": "lightning_scale.cli.job_config.LayoutNotAdmitted",
+        "build": "lightning_scale.cli.run.build",
+        "planned_data_parallel_size": "lightning_scale.cli.job_config.planned_data_parallel_size",
+        "preflight": "lightning_scale.cli.job_config.preflight",
+    },
+)
 
 
 def _log_to_run_files() -> None:

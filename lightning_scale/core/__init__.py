@@ -20,10 +20,69 @@ exists anywhere in ``lightning_scale``):
 - :mod:`~lightning_scale.core.planner` (memory, step time and cost of every layout before a run): any
   of the parts above but ``checkpoint`` and ``precision``;
 - :mod:`~lightning_scale.core.resilience` (the hang watchdog and its report, the straggler action): ``compat``, ``compat_c10d``
-  and ``checks``.
+  and ``checks``;
+- :mod:`~lightning_scale.core.deprecation` (old import paths kept working, with a warning, for a release):
+  nothing; a leaf like ``compat``, which any part may declare.
+
+The modules ``core`` held before it was grouped by mechanism (``lightning_scale.core.checksums`` and the
+like, 0.1.0) still import, with a ``DeprecationWarning`` naming the new module, until 0.3.0.
 """
 
 from lightning_scale.core.checks import divisors, format_choices, suggest_multiples
+from lightning_scale.core.deprecation import moved_modules
 from lightning_scale.core.lr_schedule import warmup_cosine
 
 __all__ = ["divisors", "format_choices", "suggest_multiples", "warmup_cosine"]
+
+_CHECKPOINT, _PARALLEL, _PIPELINE = (
+    "lightning_scale.core.checkpoint",
+    "lightning_scale.core.parallel",
+    "lightning_scale.core.pipeline",
+)
+_PRECISION, _TELEMETRY = "lightning_scale.core.precision", "lightning_scale.core.telemetry"
+
+moved_modules(
+    __name__,
+    {
+        # 0.1.0's flat core -> the part of each mechanism (the names they exported kept theirs).
+        "block_costs": (f"{_PIPELINE}.block_costs",),
+        "checkpoint_commit": (f"{_CHECKPOINT}.commit",),
+        "checkpoint_format": (
+            f"{_CHECKPOINT}.format",
+            f"{_CHECKPOINT}.commit",
+            f"{_CHECKPOINT}.checksums",
+            f"{_CHECKPOINT}.latest",
+        ),
+        "checkpoint_interval": (f"{_CHECKPOINT}.interval",),
+        "checkpoint_state": (f"{_CHECKPOINT}.state",),
+        "checksums": (f"{_CHECKPOINT}.checksums",),
+        "cost": (f"{_TELEMETRY}.cost",),
+        "data_parallel": (f"{_PARALLEL}.data_parallel", f"{_PARALLEL}.blocks"),
+        "dcp_metadata": (f"{_CHECKPOINT}.dcp_metadata",),
+        "deferred_init": (f"{_PARALLEL}.deferred_init",),
+        "flops": (f"{_TELEMETRY}.flops",),
+        "full_state": (f"{_CHECKPOINT}.full_state",),
+        "grad_norm": (f"{_PRECISION}.grad_norm",),
+        "health": (f"{_TELEMETRY}.health",),
+        "layout": (f"{_PARALLEL}.layout",),
+        "loss_scaler": (f"{_PRECISION}.loss_scaler",),
+        "model_facts": (f"{_TELEMETRY}.model_facts",),
+        "modules": (f"{_PARALLEL}.modules",),
+        "partition": (f"{_PIPELINE}.partition",),
+        "peaks": (f"{_TELEMETRY}.peaks",),
+        "pipeline_loss": (f"{_PIPELINE}.loss",),
+        "pipeline_runner": (f"{_PIPELINE}.runner",),
+        "pipeline_schedules": (f"{_PIPELINE}.schedules",),
+        "pipeline_ties": (f"{_PIPELINE}.ties",),
+        "pipeline_timing": (f"{_PIPELINE}.timing",),
+        "process_groups": (f"{_PARALLEL}.process_groups",),
+        "saved_tensor": (f"{_CHECKPOINT}.saved_tensor",),
+        "schedules": ("lightning_scale.core.lr_schedule",),
+        "shard_reader": (f"{_CHECKPOINT}.shard_reader",),
+        "shard_writer": (f"{_CHECKPOINT}.shard_writer",),
+        "sharded_checkpoint": (f"{_CHECKPOINT}.sharded", f"{_PARALLEL}.groups"),
+        "storage": (f"{_CHECKPOINT}.storage",),
+        "tensor_parallel": (f"{_PARALLEL}.tensor_parallel", f"{_PARALLEL}.modules"),
+    },
+    renamed={"data_parallel": {"bf16_compress_hook": f"{_PARALLEL}.data_parallel.bf16_all_reduce_hook"}},
+)

@@ -7,10 +7,10 @@ resumes through ``"latest"`` continues the run of the checkpoint it resumed: its
 run under ``continues``, and retention counts that run's checkpoints as its own (a restart with a
 new id, a new job resuming an earlier one). One resumed from an explicit path starts a new run.
 
-- ``"latest"``: the run's own newest checkpoint that verifies (highest step); when the run has none
-  (a new run, e.g. resuming an earlier run in a reused directory; a relaunch whose id changed), the
-  most recently committed one of any run. Weights-only checkpoints only when weights are all that
-  is asked for.
+- ``"latest"``: the rule of :mod:`lightning_scale.core.checkpoint.latest` over the sharded checkpoints:
+  the run's own newest that verifies (highest step); then (a new run, e.g. resuming an earlier run in a
+  reused directory; a relaunch whose id changed) the run that saved most recently, its highest step
+  first. Weights-only checkpoints only when weights are all that is asked for.
 - Retention deletes only the run's own checkpoints, never another run's, never the one the run
   resumed from, never its newest full checkpoint.
 """
@@ -21,7 +21,6 @@ import json
 import os
 import time
 import uuid
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,11 +32,10 @@ from lightning_scale.core.checkpoint.format import (
     find_checkpoints,
     is_weights_only,
     read_listed,
-    resume_order,
     retained,
-    scan,
     verify,
 )
+from lightning_scale.core.checkpoint.latest import candidates as ordered_candidates
 from lightning_scale.core.checkpoint.storage import AnyPath, RemotePath, replace, rmtree
 from lightning_scale.plugins._checkpoint_layout import TRAINER_STATE
 
@@ -89,17 +87,13 @@ def saved_weights_only(checkpoint: Checkpoint) -> bool:
 
 
 def candidates(roots: Iterable[AnyPath], *, run_ids: set[str], weights_only: bool) -> list[AnyPath]:
-    """The checkpoints under ``roots`` in the order ``"latest"`` tries them (the caller takes the first
-    that verifies; :func:`~lightning_scale.core.checkpoint.format.resume_order`); a warning names each
-    directory that looks like a checkpoint but is not one."""
-    found: list[Checkpoint] = []
-    for root in roots:
-        good, bad = scan(root)
-        found.extend(good)
-        for path, why in bad:
-            warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=3)
-    usable = [c for c in found if weights_only or not saved_weights_only(c)]
-    return [c.path for c in resume_order(usable, run_ids=run_ids)]
+    """The sharded checkpoints under ``roots`` in the order ``"latest"`` tries them (the caller takes the first
+    that verifies; :func:`lightning_scale.core.checkpoint.latest.candidates`, with :func:`saved_weights_only`);
+    a warning names each directory that looks like a checkpoint but is not one."""
+    found = ordered_candidates(
+        roots, formats=("sharded",), run_ids=run_ids, weights_only=weights_only, sharded_weights_only=saved_weights_only
+    )
+    return [c.path for c in found]
 
 
 def prune(

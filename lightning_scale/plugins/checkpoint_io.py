@@ -24,7 +24,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum
-from lightning_scale.core.checkpoint.format import CheckpointCorruptError, retained
+from lightning_scale.core.checkpoint.format import retained
+from lightning_scale.core.checkpoint.latest import first_that_verifies
 from lightning_scale.core.checkpoint.sharded import StagingWriter, save_sharded, verify_distributed
 from lightning_scale.core.checkpoint.storage import AnyPath, as_path
 from lightning_scale.core.checks import check_positive_int
@@ -86,7 +87,7 @@ class ShardedCheckpointIO(CheckpointIO):
             The checkpoint the run resumed from is never deleted, nor the run's newest full one.
         auto_resume: when ``Trainer.fit`` gets no ``ckpt_path``, resume from ``"latest"`` (in the
             ``ModelCheckpoint`` directories and ``dirpath``: this run's newest full checkpoint that
-            verifies, or, when this run has none, the most recently committed one):
+            verifies, else the newest of the run that saved most recently):
             ``"on_restart"`` (default) when the process is a relaunch (torchrun ``--max-restarts``,
             a requeued SLURM job), ``True`` always, ``False`` never.
         run_id: the id every manifest records as this run's (``"latest"`` and retention go by it);
@@ -359,28 +360,25 @@ class ShardedCheckpointIO(CheckpointIO):
         return out
 
     def latest(self, roots: Iterable[Any], *, weights_only: bool = False) -> AnyPath | None:
-        """The checkpoint ``"latest"`` names under ``roots`` (collective: rank 0 lists them, every rank
-        checksums a share): this run's newest that verifies (:attr:`run_id`, and the runs it continues),
-        else, when this run has none, the most recently committed one that verifies. Weights-only
-        checkpoints only with ``weights_only`` (what ``validate``/``test``/``predict`` need). Each
-        broken one passed over, and each directory that looks like a checkpoint but is not one, gets
-        a warning naming it."""
+        """The checkpoint ``"latest"`` names under ``roots``, by the rule of
+        :func:`lightning_scale.core.checkpoint.latest.latest` over sharded checkpoints (collective: rank 0
+        lists them, every rank checksums a share): this run's newest that verifies (:attr:`run_id`, and the
+        runs it continues), then the other runs', the one that saved most recently first. Weights-only
+        checkpoints only with ``weights_only`` (what ``validate``/``test``/``predict`` need). Each broken
+        one passed over, and each directory that looks like a checkpoint but is not one, gets a warning
+        naming it."""
         self.wait()
         found: list[str] = []
         if self._rank() == 0:
             roots = self.search_roots(roots)
             runs = {self.run_id, *self.lineage}
             found = [str(p) for p in candidates(roots, run_ids=runs, weights_only=weights_only)]
-        for candidate in self._broadcast(found):
-            try:
-                verify_distributed(self.as_path(candidate), group=self.process_group)
-            except CheckpointCorruptError as err:
-                if self._rank() == 0:
-                    warnings.warn(f"Skipping the broken checkpoint {candidate}: {err}", RuntimeWarning, stacklevel=2)
-                continue
-            self._just_verified = candidate
-            return self.as_path(candidate)
-        return None
+        chosen = first_that_verifies(self._broadcast(found), self._verify_collectively, warn=self._rank() == 0)
+        self._just_verified = chosen
+        return None if chosen is None else self.as_path(chosen)
+
+    def _verify_collectively(self, candidate: str) -> None:
+        verify_distributed(self.as_path(candidate), group=self.process_group)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -35,6 +35,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_scale._lightning_compat import after_closure, should_update_logs
+from lightning_scale.core.deprecation import moved_names
 from lightning_scale.core.precision.grad_norm import (
     GradientScope,
     GradientStats,
@@ -54,6 +55,9 @@ from lightning_scale.core.precision.options import (
 from lightning_scale.plugins._lr_schedulers import hold_lr_schedulers_after_skipped_steps
 
 __all__ = ["NONFINITE_POLICIES", "PRECISIONS", "MixedPrecision"]
+
+# Internal since the strategy converts Lightning's stock plugins itself; exported here before.
+__getattr__ = moved_names(__name__, {"as_mesh_precision": "lightning_scale.plugins._stock.as_mesh_precision"})
 
 
 @contextlib.contextmanager

@@ -7,8 +7,7 @@ A checkpoint is a directory such as ``checkpoints/step-000123/`` holding the sha
 manifest is not a checkpoint. :func:`verify` checks every file the manifest lists (inside the
 directory, present, same size, same checksum) and names the first that is not;
 :func:`read_listed` reads a small file only if the manifest vouches for it, checking the bytes it
-returns. :func:`latest` is what ``"latest"`` names under a root (:func:`resume_order`: the run's
-own newest, else the most recently committed), warning about each broken one it passes.
+returns. Which checkpoint ``"latest"`` names: :mod:`lightning_scale.core.checkpoint.latest`.
 
 Each manifest entry names its checksum algorithm as its key (:mod:`lightning_scale.core.checkpoint.checksums`);
 version 1 manifests (SHA-256 only) still verify.
@@ -16,8 +15,8 @@ version 1 manifests (SHA-256 only) still verify.
 
 from __future__ import annotations
 
+import importlib
 import json
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -47,12 +46,10 @@ __all__ = [
     "entry_checksum",
     "find_checkpoints",
     "is_weights_only",
-    "latest",
     "listed_entries",
     "looks_like_checkpoint",
     "read_listed",
     "read_manifest",
-    "resume_order",
     "retained",
     "scan",
     "verify",
@@ -242,39 +239,6 @@ def is_weights_only(checkpoint: Checkpoint) -> bool:
     return checkpoint.manifest.get("weights_only") is True
 
 
-def resume_order(checkpoints: Sequence[Checkpoint], *, run_ids: Iterable[str] = ()) -> list[Checkpoint]:
-    """The order in which ``"latest"`` tries ``checkpoints`` (it takes the first that verifies).
-
-    The run's own (their manifest's ``run_id`` one of ``run_ids``), highest step first, when it has
-    any: another run's in a reused directory never come first, whatever their steps. When it has
-    none, every checkpoint, the most recently committed first: a new run resuming an earlier one
-    gets that run's last checkpoint, and a relaunch whose id changed, what its previous attempt
-    wrote last."""
-    runs = set(run_ids)
-    mine = [c for c in checkpoints if c.manifest.get("run_id") in runs]
-    if mine:
-        return sorted(mine, key=by_step, reverse=True)
-    return sorted(checkpoints, key=lambda c: (_written(c), c.step), reverse=True)
-
-
-def latest(root: AnyPath, *, run_ids: Iterable[str] = (), weights_only: bool = False) -> Checkpoint | None:
-    """The checkpoint ``"latest"`` names under ``root``: the first of :func:`resume_order` that verifies,
-    leaving out weights-only ones unless ``weights_only``. Every broken one passed over, and every
-    directory that looks like a checkpoint but has no readable manifest, gets a warning naming it."""
-    good, bad = scan(root)
-    for path, why in bad:
-        warnings.warn(f"Skipping {path}, not a checkpoint: {why}", RuntimeWarning, stacklevel=2)
-    usable = [c for c in good if weights_only or not is_weights_only(c)]
-    for checkpoint in resume_order(usable, run_ids=run_ids):
-        try:
-            verify(checkpoint.path)
-        except CheckpointCorruptError as err:
-            warnings.warn(f"Skipping the broken checkpoint {checkpoint.path}: {err}", RuntimeWarning, stacklevel=2)
-            continue
-        return checkpoint
-    return None
-
-
 def retained(
     checkpoints: Sequence[Checkpoint], *, keep_last: int, keep_every: int | None = None, protect: Iterable[Any] = ()
 ) -> tuple[list[Checkpoint], list[Checkpoint]]:
@@ -295,3 +259,45 @@ def retained(
         every = keep_every is not None and c.step >= 0 and c.step % keep_every == 0
         (keep if id(c) in newest or every or c.path.resolve() in protected else delete).append(c)
     return keep, delete
+
+
+# ----------------------------------------------------------------------------- deprecated (0.1.0's "latest")
+
+
+def _the_rule() -> Any:
+    # By name: the rule's module imports this one (its checkpoints, their verification); only the deprecated
+    # paths below call back into it.
+    return importlib.import_module("lightning_scale.core.checkpoint.latest")
+
+
+def _deprecated(name: str) -> None:
+    import warnings
+
+    from lightning_scale.core.deprecation import moved_message
+
+    new = f"lightning_scale.core.checkpoint.latest.{name}"
+    warnings.warn(moved_message(f"{__name__}.{name}", new), DeprecationWarning, stacklevel=3)
+
+
+def resume_order(checkpoints: Sequence[Checkpoint], *, run_ids: Iterable[str] = ()) -> list[Checkpoint]:
+    """Deprecated: :func:`lightning_scale.core.checkpoint.latest.resume_order` (the one rule of "latest", over
+    every format). ``checkpoints`` in the order that rule tries them."""
+    _deprecated("resume_order")
+    rule = _the_rule()
+
+    as_candidates = {id(c): rule.sharded_candidate(c) for c in checkpoints}
+    order = rule.resume_order(list(as_candidates.values()), run_ids=run_ids)
+    by_candidate = {id(as_candidates[id(c)]): c for c in checkpoints}
+    return [by_candidate[id(c)] for c in order]
+
+
+def latest(root: AnyPath, *, run_ids: Iterable[str] = (), weights_only: bool = False) -> Checkpoint | None:
+    """Deprecated: :func:`lightning_scale.core.checkpoint.latest.latest` (``latest([root], formats=("sharded",))``).
+    The sharded checkpoint "latest" names under ``root``, as 0.1.0 returned it."""
+    _deprecated("latest")
+    rule = _the_rule()
+
+    found = rule.latest([root], formats=("sharded",), run_ids=run_ids, weights_only=weights_only)
+    if found is None:
+        return None
+    return next(c for c in scan(root)[0] if str(c.path) == str(found.path))

@@ -4,13 +4,18 @@ Each rank's record says how far it got (its heartbeat: the batch, the phase of t
 and, with the flight recorder on, the sequence number of the last collective it enqueued on each process
 group. A rank is *behind* when another rank got further: a later phase of the same batch (ranks in
 ``backward`` wait in the gradient reduction that a rank still in ``forward`` never reached), or a later
-collective of one process group. A rank that wrote no record at all is named too. Pure functions: no
-process group, no thread.
+collective of one process group. Where the heartbeats agree (a collective inside one phase: FSDP's
+all-gathers and tensor-parallel collectives in the forward, a user's ``all_reduce``, the preemption flag's
+all-reduce), the ranks' stacks tell them apart without the flight recorder: a rank whose training thread waits
+in ``torch.distributed`` code (:func:`waiting_collective`) is in a collective, and a rank at the same point
+that is not never entered it. A rank that wrote no record at all is named too. Pure functions of the
+records: no process group, no thread.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import traceback
@@ -28,6 +33,7 @@ __all__ = [
     "progress",
     "summary_text",
     "thread_stacks",
+    "waiting_collective",
 ]
 
 PHASES = ("forward", "backward", "optimizer step", "between steps")
@@ -61,6 +67,26 @@ def innermost_frame(thread: int | None) -> str | None:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
+_TORCH = f"{os.sep}torch{os.sep}"
+
+
+def waiting_collective(thread: int | None) -> str | None:
+    """The ``torch.distributed`` call ``thread`` waits in (``"all_reduce (distributed_c10d.py:2950)"``), or
+    None: its innermost frames, as long as they are torch's, include none of ``torch.distributed`` (a
+    thread in its own code, or computing). A collective's wait blocks in native code called from a Python
+    frame of ``torch.distributed`` (``work.wait()``), under torch's dispatcher frames at most."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    found = None
+    while frame is not None and found is None and _TORCH in frame.f_code.co_filename:
+        if _DISTRIBUTED in frame.f_code.co_filename:
+            found = frame  # the innermost: the call that waits (not the logging wrappers around it)
+        frame = frame.f_back
+    if found is None:
+        return None
+    return f"{found.f_code.co_name} ({os.path.basename(found.f_code.co_filename)}:{found.f_lineno})"
+
+
 def flight_recorder(*, nccl: bool) -> tuple[str | None, dict[str, int]]:
     """The flight recorder's trace as JSON text and, per process group id, the sequence number of the
     last collective this process enqueued (``(None, {})`` when there is no trace or it did not come within
@@ -90,10 +116,11 @@ def flight_recorder(*, nccl: bool) -> tuple[str | None, dict[str, int]]:
     return text, enqueued
 
 
-def progress(record: Mapping[str, Any]) -> tuple[int, int]:
-    """How far a rank got: (its batch's index in this fit, the index of its phase in :data:`PHASES`); between
-    steps, the batch is the last one it finished (-1: none yet)."""
-    return int(record["batch"]), PHASES.index(record["phase"])
+def progress(record: Mapping[str, Any]) -> tuple[int, int, bool]:
+    """How far a rank got: (its batch's index in this fit, the index of its phase in :data:`PHASES`, whether
+    it waits in a collective); between steps, the batch is the last one it finished (-1: none yet). At the
+    same batch and phase, a rank in a collective is further than one that has not entered it."""
+    return int(record["batch"]), PHASES.index(record["phase"]), bool(record.get("collective"))
 
 
 def describe(record: Mapping[str, Any]) -> str:
@@ -115,7 +142,12 @@ def laggards(records: Mapping[int, Mapping[str, Any]], world_size: int) -> dict[
         ahead = sorted(rank for rank, r in records.items() if progress(r) == lead)
         leader = records[ahead[0]]
         for rank, record in sorted(records.items()):
-            if progress(record) < lead:
+            if progress(record) == lead[:2] + (False,) and lead[2]:  # the same point, but outside the collective
+                found[rank] = (
+                    f"never entered the collective rank(s) {_ranks(ahead)} wait in ({leader['collective']}), in "
+                    f"{describe(leader)}; it is in {describe(record)}, at {record.get('where') or '?'}"
+                )
+            elif progress(record) < lead:
                 found[rank] = f"{describe(record)}, while rank(s) {_ranks(ahead)} reached {describe(leader)}"
         groups = {pg for r in records.values() for pg in r.get("collectives", {})}
         for pg in sorted(groups):
@@ -161,11 +193,12 @@ def summary_text(
         if r is None:
             lines.append(f"  rank {rank}: no record")
             continue
-        lines.append(f"  rank {rank} ({r['host']}, pid {r['pid']}): {describe(r)}; at {r.get('where') or '?'}")
+        waits = f"; waits in {r['collective']}" if r.get("collective") else ""
+        lines.append(f"  rank {rank} ({r['host']}, pid {r['pid']}): {describe(r)}; at {r.get('where') or '?'}{waits}")
     lines += [
         "",
         f"Stacks: {directory}/rank<k>.txt. Every process exits with status {exit_code} "
-        "(lightning_scale.plugins.HANG_EXIT_CODE); a relaunch (torchrun --max-restarts, a requeued job) resumes from "
+        "(lightning_scale.core.resilience.HANG_EXIT_CODE); a relaunch (torchrun --max-restarts, a requeued job) resumes from "
         '"latest".',
     ]
     return "\n".join(lines) + "\n"

@@ -33,7 +33,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
+
 from lightning_scale.core.checks import check_positive_int, check_positive_number
+from lightning_scale.core.compat_c10d import default_store
 from lightning_scale.core.resilience.hang_report import (
     PHASES,
     flight_recorder,
@@ -41,6 +44,7 @@ from lightning_scale.core.resilience.hang_report import (
     laggards,
     summary_text,
     thread_stacks,
+    waiting_collective,
 )
 
 __all__ = ["HANG_EXIT_CODE", "HangTimeout", "StepWatchdog", "hang_timeout_policy"]
@@ -61,6 +65,12 @@ class HangTimeout:
     ``warmup_steps`` steps of a fit (compilation, warm-up, the first collectives' set-up) get at least
     ``warmup_s`` and are not counted in the median. A fixed limit is ``floor_s = warmup_s`` with
     ``multiple = 0``, what ``hang_timeout=<seconds>`` gives.
+
+    The warm-up steps are the *run's* first steps: a fit resumed at global step ``k`` (a restart, an
+    auto-resume) counts its ``k`` steps done, so past ``warmup_steps`` a restarted run is timed against
+    the floor from its first step, not given the warm-up allowance again (a hang right after a restart is
+    found within ``floor_s``). A restart's first step recompiles from torch's on-disk caches; where it may
+    still outlast ``floor_s`` (a cold cache on a new host), raise ``floor_s``.
     """
 
     floor_s: float = 120.0
@@ -141,6 +151,11 @@ class StepWatchdog:
             number of watchdogs this process made before, equal on every rank as they start their fits alike).
         exit: what ends the process (``os._exit``; a test passes a recorder).
         global_step: reads the training's global step, for a report of a batch started without it.
+        steps_before: the run's steps done before this fit (a resumed fit's global step): they count towards
+            the policy's warm-up steps, so a restart is not given the warm-up allowance again.
+        untimed: called by the watchdog's thread at each look (never by the training loop): True while the
+            process does something that is not a step (the Trainer validating, an epoch ending). Nothing is
+            timed then, and the step that goes on afterwards is timed from the last look that saw it.
     """
 
     def __init__(
@@ -157,6 +172,8 @@ class StepWatchdog:
         namespace: str | None = None,
         exit: Callable[[int], Any] = os._exit,
         global_step: Callable[[], int] | None = None,
+        steps_before: int = 0,
+        untimed: Callable[[], bool] | None = None,
     ) -> None:
         self.policy, self.rank, self.world_size = policy, rank, world_size
         self.directory = Path(directory)
@@ -171,7 +188,10 @@ class StepWatchdog:
         # (the beat it belongs to, the phase, when it was entered): a plain tuple, the cheapest atomic store
         self._phase: tuple[_Beat | None, str, float] = (None, PHASES[0], 0.0)
         self._last_end = time.monotonic()
-        self._started = self._completed = 0  # batches started and finished in this fit
+        self._started = 0  # batches started in this fit
+        self._completed = steps_before  # steps finished in this run (a resumed fit's count its checkpoint's)
+        self._untimed = untimed
+        self._untimed_seen = -math.inf  # the watchdog thread's last look that found `untimed()` true
         self._recent: deque[float] = deque(maxlen=policy.window)
         self._training_thread: int | None = None
         self._stop = threading.Event()
@@ -204,13 +224,38 @@ class StepWatchdog:
 
     def _finished(self, beat: _Beat, now: float) -> None:
         if self._completed >= self.policy.warmup_steps:
-            self._recent.append(now - beat.step_started)
+            self._recent.append(now - max(beat.step_started, self._untimed_seen))  # what was timed of it
         self._completed += 1
 
     def pause(self) -> None:
         """Outside the training steps (validation, the end of an epoch): nothing is timed."""
         self._beat = None
         self._last_end = time.monotonic()
+
+    @classmethod
+    def for_process(
+        cls,
+        policy: HangTimeout,
+        *,
+        rank: int,
+        world_size: int,
+        directory: str | os.PathLike,
+        grace_s: float = 20.0,
+        **kwargs: Any,
+    ) -> StepWatchdog:
+        """A watchdog for this process: its ranks meet in the default process group's store (when there is
+        one and more than one rank), the backend read from it; ``kwargs``: the constructor's others."""
+        grouped = dist.is_available() and dist.is_initialized()
+        return cls(
+            policy,
+            rank=rank,
+            world_size=world_size,
+            directory=directory,
+            store=default_store() if grouped and world_size > 1 else None,
+            backend=dist.get_backend() if grouped else None,
+            grace_s=grace_s,
+            **kwargs,
+        )
 
     # ------------------------------------------------------------------ the thread
 
@@ -239,12 +284,21 @@ class StepWatchdog:
         """Seconds the current step may run."""
         return self.policy.limit(self._completed, list(self._recent))
 
+    def _is_untimed(self) -> bool:
+        try:
+            return self._untimed is not None and bool(self._untimed())
+        except Exception:  # noqa: BLE001 - a state read racing the training loop: time the step
+            return False
+
     def check(self, now: float | None = None) -> bool:
         """One look; True when a hang was handled (the process then exits, unless ``exit`` returns)."""
         now = time.monotonic() if now is None else now
+        if self._is_untimed():
+            self._untimed_seen = now
         beat = self._beat
-        if beat is not None and now - beat.step_started > (limit := self.limit()):
-            reason = f"rank {self.rank} (batch {beat.batch} ran {now - beat.step_started:.1f} s, limit {limit:.1f} s)"
+        running = now - max(beat.step_started, self._untimed_seen) if beat is not None else 0.0
+        if beat is not None and running > (limit := self.limit()):
+            reason = f"rank {self.rank} (batch {beat.batch} ran {running:.1f} s, limit {limit:.1f} s)"
             if not self._store_call("check", ["detected"]):
                 self._store_call("set", "detected", reason)  # before "declared": whoever sees that can read this
             self._store_call("add", "declared", 1)
@@ -298,6 +352,7 @@ class StepWatchdog:
             "step_s": round(now - beat.step_started, 3) if beat is not None else None,
             "limit_s": round(self.limit(), 3),
             "where": innermost_frame(self._training_thread),
+            "collective": waiting_collective(self._training_thread),  # the collective it waits in, from its stack
             "unix_s": round(
                 time.time() - (time.monotonic() - now), 3
             ),  # when `now` was: goodput dates the hung step by it

@@ -36,7 +36,6 @@ from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.integrations.huggingface import is_hf_model
 from lightning_scale.plugins._rng import restore_rng_states
 from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO, restarted
-from lightning_scale.plugins.preemption import PreemptionCheckpoint
 
 __all__ = ["ShardedCheckpoints", "sharded_state", "step_batch", "unwrapped_optimizer"]
 
@@ -111,11 +110,6 @@ class ShardedCheckpoints:
         if path is None:
             rank_zero_info(f"Resuming from the latest checkpoint, {found} (auto_resume={io.auto_resume!r}).")
         return str(found)
-
-    def add_preemption_checkpoint(self, trainer: Trainer, io: CheckpointIO) -> None:
-        """A ``PreemptionCheckpoint`` for a ``fit`` that has none (``ShardedCheckpointIO(preemption=False)``: never)."""
-        if self.sharded(io).preemption and not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
-            trainer.callbacks.append(PreemptionCheckpoint())
 
     # ------------------------------------------------------------------ save
 

@@ -4,11 +4,9 @@ value, the rule and the fix."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from difflib import get_close_matches
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
 from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
@@ -31,7 +29,6 @@ PARTITIONS = ("by_layers", "by_params", "by_cost")
 GLOBAL_BATCH_CHANGES = ("refuse", "allow")
 LOSS_STAGES = ("train", "val", "test")
 Size = int | Literal["auto"]
-T = TypeVar("T")
 
 _NON_STRUCTURAL = frozenset(
     {
@@ -59,7 +56,7 @@ _NON_STRUCTURAL = frozenset(
     }
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
-_SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")
+_SIZES = ("data_parallel", "tensor_parallel", "pipeline_parallel")  # the options also taken positionally
 PLANNED = (
     *_SIZES,
     "data_parallel_mode",
@@ -71,7 +68,6 @@ PLANNED = (
 )
 """What ``layout="auto"`` chooses (:mod:`.planning`); one set too (to other than its default) is a constraint: the
 planner chooses among the layouts that have it (:meth:`ParallelOptions.constraints`)."""
-"""The options the strategy also takes positionally, in this order."""
 
 
 def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
@@ -107,142 +103,43 @@ def loss_names(loss_name: str | Mapping[str, str]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """Every option of :class:`~lightning_scale.strategies.HybridParallelStrategy`, declared once: the
-    strategy's constructor takes these (the three sizes positionally too) and checks them here."""
+    """Every option of :class:`~lightning_scale.strategies.HybridParallelStrategy`, declared once with its type
+    and default, and checked here. The strategy's constructor spells out the same parameters (a test keeps
+    them equal) and its docstring documents each."""
 
     data_parallel: Size = "auto"
-    """Replicas of the model; ``"auto"`` fills the world."""
     tensor_parallel: Size = 1
-    """Ranks each layer is split over; ``"auto"``: the processes of one node."""
     pipeline_parallel: Size = 1
-    """Pipeline stages (``"auto"``: what data and tensor parallelism leave). Built with
-    ``torch.distributed.pipelining``; the model declares its blocks through a ``pipeline_spec`` hook or
-    the registry (the reference GPT is registered)."""
     layout: str = "manual"
-    """``"manual"``: the sizes and options given here; ``"auto"``: the planner chooses the sizes, data-parallel
-    mode, pipeline schedule, micro-batches and activation checkpointing for this run's model, devices and
-    batch (:mod:`.planning`; then leave those options at their defaults)."""
     cluster: str | None = None
-    """``layout="auto"``: plan for this cluster preset (``lightning_scale.core.planner.CLUSTERS``, or ``"cpu"``)
-    instead of the devices the processes see."""
     data_parallel_mode: str = "ddp"
-    """``"ddp"`` (replicas; plain DDP when nothing else cuts the model, else FSDP2 ``replicate``),
-    ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and optimizer state sharded, ZeRO-3-like),
-    ``"fsdp_grad_op"`` (parameters kept gathered from forward to backward, ZeRO-2-like), ``"hsdp"``
-    (replicated over ``hsdp_replicate`` x sharded over ``hsdp_shard``)."""
     hsdp_replicate: Size = "auto"
-    """Replicas of ``"hsdp"`` (``"auto"``: one per node)."""
     hsdp_shard: Size = "auto"
-    """Shards of each ``"hsdp"`` replica (``"auto"``: the processes of one node)."""
     schedule: str = "1f1b"
-    """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"`` (``virtual_stages``
-    stages per rank, round robin), ``"zbv"`` and ``"dualpipev"`` (two stages per rank in a V: rank ``r``
-    runs stages ``r`` and ``2p - 1 - r``); torch's schedules."""
     microbatches: int | None = None
-    """Micro-batches per step; must divide the per-replica batch (default ``2 * pipeline_parallel``)."""
     virtual_stages: int = 2
-    """Stages per rank for the interleaved schedules (the blocks must divide into
-    ``pipeline_parallel * virtual_stages`` equal stages)."""
     partition: str = "by_layers"
-    """``"by_layers"`` (equal block counts), ``"by_params"`` (balanced parameter counts) or ``"by_cost"``
-    (blocks timed forward+backward on a real batch at set-up; slowest stage minimised)."""
     sequence_parallel: bool = True
-    """Shard norms and the residual stream on the sequence between layers (for plans that honour it,
-    like the reference GPT's)."""
     loss_parallel: bool = True
-    """Keep logits sharded on the vocabulary into the loss; training, validation and test steps and the
-    backward run under ``torch.distributed.tensor.parallel.loss_parallel``."""
     activation_checkpointing: str = "none"
-    """``"none"``, ``"full"`` (every block recomputes its activations in backward) or ``"selective"``
-    (every ``activation_checkpointing_every``-th block)."""
     activation_checkpointing_every: int = 2
-    """Which blocks ``"selective"`` activation checkpointing wraps: every k-th of each pipeline rank's."""
     compile: bool = False
-    """``torch.compile`` each block."""
     gradient_compression: str = "none"
-    """``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``: DDP communication hooks, for
-    ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism."""
     powersgd_rank: int = 1
-    """The rank of PowerSGD's low-rank gradients."""
     powersgd_start_iter: int = 10
-    """Steps PowerSGD runs uncompressed first."""
-    loss_name: Any = "{stage}/loss"
-    """Where the pipeline's loss is logged (``pipeline_parallel > 1``, where the module's step methods are
-    not called): a template with ``{stage}`` (``"{stage}_loss"``) or a mapping from ``"train"``/``"val"``/
-    ``"test"`` to names; default ``train/loss``, ``val/loss``, ``test/loss``."""
+    loss_name: str | Mapping[str, str] = "{stage}/loss"
     find_unused_parameters: bool = False
-    """Passed to ``DistributedDataParallel`` (plain data parallelism only; FSDP2 needs none of these four)."""
     static_graph: bool = False
-    """Passed to ``DistributedDataParallel``."""
     bucket_cap_mb: float | None = None
-    """Passed to ``DistributedDataParallel`` (``None``: DDP's 25)."""
     gradient_as_bucket_view: bool = False
-    """Passed to ``DistributedDataParallel``."""
-    hang_timeout: Any = "auto"
-    """The hang watchdog (:class:`~lightning_scale.plugins.HangWatchdog`, added to every ``fit``): ``"auto"`` (a step
-    is a hang past max(120 s, 10x the recent median step), 600 s for the first 3), seconds, a mapping of
-    :class:`~lightning_scale.core.resilience.HangTimeout`'s fields, or ``0``/``False`` (off)."""
+    hang_timeout: str | float | Mapping[str, Any] = "auto"
     global_batch_change: str = "refuse"
-    """A ``fit`` resumed at another data-parallel size whose loader makes an optimizer step of another number of
-    samples than the checkpoint's run (loader batch x data-parallel ranks x ``accumulate_grad_batches``): ``"refuse"``
-    (``ValueError`` at the fit's start, naming the settings that keep it) or ``"allow"`` (a warning; trains on)."""
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     @classmethod
     def names(cls) -> list[str]:
         """The options, in the order of the strategy's arguments."""
         return [f.name for f in fields(cls) if f.init]
-
-    @classmethod
-    def from_arguments(cls, sizes: tuple[Any, ...], options: Mapping[str, Any], *, owner: str) -> ParallelOptions:
-        """The options ``owner(*sizes, **options)`` was given: up to three sizes by position (``data_parallel``,
-        ``tensor_parallel``, ``pipeline_parallel``), every option by name; ``TypeError`` as Python's own for
-        a function with these parameters, naming the options when one is unknown."""
-        if len(sizes) > len(_SIZES):
-            raise TypeError(
-                f"{owner} takes at most {len(_SIZES)} positional arguments ({', '.join(_SIZES)}) but {len(sizes)} were "
-                "given; pass the other options by name."
-            )
-        names = cls.names()
-        unknown = [name for name in options if name not in names]
-        if unknown:
-            close = get_close_matches(unknown[0], names, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise TypeError(
-                f"{owner} got an unexpected keyword argument {unknown[0]!r}: {hint}its options are {', '.join(names)} "
-                "(lightning_scale.strategies.hybrid.options.ParallelOptions documents each)."
-            )
-        given = dict(zip(_SIZES, sizes))
-        twice = [name for name in given if name in options]
-        if twice:
-            raise TypeError(f"{owner} got multiple values for argument {twice[0]!r}.")
-        return cls(**given, **options)
-
-    @classmethod
-    def spelled_out(cls, strategy: type[T]) -> type[T]:
-        """Class decorator: ``strategy.__init__(self, *sizes, ..., **options)`` gets :meth:`signature`."""
-        strategy.__init__.__signature__ = cls.signature(strategy.__init__)  # type: ignore[misc]
-        return strategy
-
-    @classmethod
-    def signature(cls, init: Callable[..., Any]) -> inspect.Signature:
-        """``init``'s signature with its ``*sizes`` and ``**options`` spelled out as these options (for
-        ``inspect.signature``, ``help`` and the configs' checks): the sizes positional or by name, the
-        others keyword-only, each with its default."""
-        kinds = {name: inspect.Parameter.POSITIONAL_OR_KEYWORD for name in _SIZES}
-        options = [
-            inspect.Parameter(
-                f.name, kinds.get(f.name, inspect.Parameter.KEYWORD_ONLY), default=f.default, annotation=f.type
-            )
-            for f in fields(cls)
-            if f.init
-        ]
-        own = inspect.signature(init).parameters.values()
-        fixed = [p for p in own if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        first = [p for p in fixed if p.kind is not p.KEYWORD_ONLY]
-        return inspect.Signature(
-            [*first, *options, *(p for p in fixed if p.kind is p.KEYWORD_ONLY)], return_annotation=None
-        )
 
     def constraints(self) -> dict[str, Any]:
         """``layout="auto"``'s constraints: the :data:`PLANNED` options set to other than their defaults."""

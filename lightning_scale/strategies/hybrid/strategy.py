@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -28,11 +28,13 @@ import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.parallel.data_parallel import check_not_wrapped, gradient_sync_blocked, wrap_ddp
 from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.parallel.threads import ThreadChoice, share_cores
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_norm
 from lightning_scale.core.telemetry.model_facts import ModelFacts
-from lightning_scale.plugins import HangWatchdog, MixedPrecision, ShardedCheckpointIO
 from lightning_scale.plugins._stock import as_mesh_precision
+from lightning_scale.plugins.checkpoint_io import ShardedCheckpointIO
+from lightning_scale.plugins.precision import MixedPrecision
 from lightning_scale.strategies.hybrid.checkpoints import (
     ShardedCheckpoints,
     sharded_state,
@@ -41,20 +43,19 @@ from lightning_scale.strategies.hybrid.checkpoints import (
     unwrapped_optimizer as _unwrapped,
 )
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
-from lightning_scale.strategies.hybrid.heartbeat import Heartbeat
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
 from lightning_scale.strategies.hybrid.parallelize import count_model_facts, parallelize
 from lightning_scale.strategies.hybrid.pipeline_hooks import check_pipeline_module, timing_batch
 from lightning_scale.strategies.hybrid.pipeline_steps import PipelineSteps
 from lightning_scale.strategies.hybrid.planning import AutoLayout
+from lightning_scale.strategies.hybrid.resilience import Resilience
 from lightning_scale.strategies.hybrid.state import ParallelState
 
 __all__ = ["HybridParallelStrategy"]
 
 
-@ParallelOptions.spelled_out  # the signature lists every option (inspect, help, the configs' checks)
-class HybridParallelStrategy(Heartbeat, ParallelStrategy):
+class HybridParallelStrategy(ParallelStrategy):
     """Data x pipeline x tensor parallelism for an unmodified ``Trainer``.
 
     One ``DeviceMesh`` with dimension names ``("dp", "pp", "tp")``, ``tp`` innermost (``hsdp`` splits
@@ -63,14 +64,73 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
     :mod:`lightning_scale.strategies.hybrid` says what the model provides, how precision and gradient
     accumulation behave, and which collaborator does what.
 
+    The three sizes are taken by position or by name, every other option by name only. Each option is
+    checked (:class:`.options.ParallelOptions`, which declares the same names, types and defaults) before
+    any process starts: a bad value raises ``ValueError`` naming it, the rule and the fix.
+
     Args:
-        data_parallel, tensor_parallel, pipeline_parallel: by position or name; then, by name only,
-            ``data_parallel_mode``, ``schedule``, ``microbatches`` and the others: every option is declared
-            once, with its default and what it does, in :class:`.options.ParallelOptions` (``inspect.signature``
-            lists them here) and checked before any process starts.
-        checkpoint_io: a :class:`~lightning_scale.plugins.ShardedCheckpointIO` (the default).
-        process_group_backend, timeout: the process group's (default backend: gloo on CPU, NCCL on GPU).
-        accelerator, parallel_devices, cluster_environment, precision_plugin: Lightning's.
+        data_parallel: Replicas of the model; ``"auto"`` fills the world.
+        tensor_parallel: Ranks each layer is split over; ``"auto"``: the processes of one node.
+        pipeline_parallel: Pipeline stages (``"auto"``: what data and tensor parallelism leave). Built with
+            ``torch.distributed.pipelining``; the model declares its blocks through a ``pipeline_spec`` hook or
+            the registry (the reference GPT is registered).
+        layout: ``"manual"``: the sizes and options given here; ``"auto"``: the planner chooses the sizes,
+            data-parallel mode, pipeline schedule, micro-batches and activation checkpointing for this run's
+            model, devices and batch (:mod:`.planning`); an option of those set to other than its default is a
+            constraint the planner keeps.
+        cluster: ``layout="auto"``: plan for this cluster preset (``lightning_scale.core.planner.CLUSTERS``, or
+            ``"cpu"``) instead of the devices the processes see.
+        data_parallel_mode: ``"ddp"`` (replicas; plain DDP when nothing else cuts the model, else FSDP2
+            ``replicate``), ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and optimizer state
+            sharded, ZeRO-3-like), ``"fsdp_grad_op"`` (parameters kept gathered from forward to backward,
+            ZeRO-2-like), ``"hsdp"`` (replicated over ``hsdp_replicate`` x sharded over ``hsdp_shard``).
+        hsdp_replicate: Replicas of ``"hsdp"`` (``"auto"``: one per node).
+        hsdp_shard: Shards of each ``"hsdp"`` replica (``"auto"``: the processes of one node).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` and ``"interleaved_zero_bubble"``
+            (``virtual_stages`` stages per rank, round robin), ``"zbv"`` and ``"dualpipev"`` (two stages per
+            rank in a V: rank ``r`` runs stages ``r`` and ``2p - 1 - r``); torch's schedules.
+        microbatches: Micro-batches per step; must divide the per-replica batch (``None``:
+            ``2 * pipeline_parallel``).
+        virtual_stages: Stages per rank for the interleaved schedules (the blocks must divide into
+            ``pipeline_parallel * virtual_stages`` equal stages).
+        partition: ``"by_layers"`` (equal block counts), ``"by_params"`` (balanced parameter counts) or
+            ``"by_cost"`` (blocks timed forward+backward on a real batch at set-up; slowest stage minimised).
+        sequence_parallel: Shard norms and the residual stream on the sequence between layers (for plans that
+            honour it, like the reference GPT's).
+        loss_parallel: Keep logits sharded on the vocabulary into the loss; training, validation and test
+            steps and the backward run under ``torch.distributed.tensor.parallel.loss_parallel``.
+        activation_checkpointing: ``"none"``, ``"full"`` (every block recomputes its activations in backward)
+            or ``"selective"`` (every ``activation_checkpointing_every``-th block).
+        activation_checkpointing_every: Which blocks ``"selective"`` activation checkpointing wraps: every
+            k-th of each pipeline rank's.
+        compile: ``torch.compile`` each block.
+        gradient_compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``: DDP communication hooks,
+            for ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism.
+        powersgd_rank: The rank of PowerSGD's low-rank gradients.
+        powersgd_start_iter: Steps PowerSGD runs uncompressed first.
+        loss_name: Where the pipeline's loss is logged (``pipeline_parallel > 1``, where the module's step
+            methods are not called): a template with ``{stage}`` (``"{stage}_loss"``) or a mapping from
+            ``"train"``/``"val"``/``"test"`` to names; default ``train/loss``, ``val/loss``, ``test/loss``.
+        find_unused_parameters: Passed to ``DistributedDataParallel`` (plain data parallelism only; FSDP2
+            needs none of these four).
+        static_graph: Passed to ``DistributedDataParallel``.
+        bucket_cap_mb: Passed to ``DistributedDataParallel`` (``None``: DDP's 25).
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel``.
+        hang_timeout: The hang watchdog every ``fit`` runs: ``"auto"`` (a step is a hang past max(120 s, 10x
+            the recent median step), 600 s for the first 3), seconds, a mapping of
+            :class:`~lightning_scale.core.resilience.HangTimeout`'s fields, or ``0``/``False`` (off).
+        global_batch_change: A ``fit`` resumed at another data-parallel size whose loader makes an optimizer
+            step of another number of samples than the checkpoint's run (loader batch x data-parallel ranks x
+            ``accumulate_grad_batches``): ``"refuse"`` (``ValueError`` at the fit's start, naming the settings
+            that keep it) or ``"allow"`` (a warning; trains on).
+        accelerator: Lightning's (set by the ``Trainer``).
+        parallel_devices: Lightning's (set by the ``Trainer``).
+        cluster_environment: Lightning's (set by the ``Trainer``).
+        checkpoint_io: A :class:`~lightning_scale.plugins.ShardedCheckpointIO` (``None``: the default one).
+        precision_plugin: Lightning's; a stock plugin becomes the equivalent
+            :class:`~lightning_scale.plugins.MixedPrecision` (``None``: 32-bit).
+        process_group_backend: The process group's (``None``: gloo on CPU, NCCL on GPU).
+        timeout: The process group's timeout for collectives (``default_pg_timeout``: 30 minutes).
     """
 
     strategy_name = "hybrid"
@@ -78,7 +138,34 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
 
     def __init__(
         self,
-        *sizes: int | str,
+        data_parallel: int | Literal["auto"] = "auto",
+        tensor_parallel: int | Literal["auto"] = 1,
+        pipeline_parallel: int | Literal["auto"] = 1,
+        *,
+        layout: str = "manual",
+        cluster: str | None = None,
+        data_parallel_mode: str = "ddp",
+        hsdp_replicate: int | Literal["auto"] = "auto",
+        hsdp_shard: int | Literal["auto"] = "auto",
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int = 2,
+        partition: str = "by_layers",
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 2,
+        compile: bool = False,
+        gradient_compression: str = "none",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 10,
+        loss_name: str | Mapping[str, str] = "{stage}/loss",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        hang_timeout: str | float | Mapping[str, Any] = "auto",
+        global_batch_change: str = "refuse",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -86,8 +173,10 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **options: Any,
     ) -> None:
+        # The options, as ParallelOptions declares them (a test keeps this signature equal to its fields).
+        given = locals()
+        options = ParallelOptions(**{name: given[name] for name in ParallelOptions.names()})
         self._default_precision = MixedPrecision("32-true")  # without a plugin from the strategy or Trainer
         super().__init__(
             accelerator=accelerator,
@@ -96,14 +185,16 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.options = ParallelOptions.from_arguments(sizes, options, owner=type(self).__name__)
+        self.options = options
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1  # Lightning's accelerator connector sets it from Trainer(num_nodes=...)
         self._mesh = LayoutMesh()
+        self._thread_choice: ThreadChoice | None = None  # taken in _configure_launcher
         self._model_facts: ModelFacts | None = None
         self._steps = PipelineSteps(self.options.loss_names)
         self._checkpoints, self._deferred = ShardedCheckpoints(), DeferredBuilder()
         self.auto_layout = AutoLayout()  # layout="auto": the planner's choice and predicted figures
+        self.resilience = Resilience(self.options.hang_timeout)  # the hang watchdog and preemption, no callback
 
     @property
     @override
@@ -179,6 +270,8 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # At the Trainer's construction, in every process: the user's thread choice, before a launcher changes it.
+        self._thread_choice = ThreadChoice.now()
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             lc.use_subprocess_launcher(self)
@@ -187,6 +280,8 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # Before any work: the processes of a node share its cores (each launch path; a user's choice stands).
+        share_cores(self.num_processes, self._thread_choice)
         super().setup_environment()
         self.set_world_ranks()
         if self._process_group_backend is None:
@@ -231,8 +326,6 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []  # the setter empties the LightningOptimizers too
             self.setup_optimizers(trainer)
-            self._checkpoints.add_preemption_checkpoint(trainer, self.checkpoint_io)
-            HangWatchdog.add_to(trainer, self.options.hang_timeout)  # first in the list; off with hang_timeout=0
         self.setup_precision_plugin()
 
     def _parallelize(self, module: LightningModule) -> None:
@@ -275,7 +368,30 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps (each beats the hang watchdog)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = lc.attached_trainer(self.lightning_module)
+        if trainer is not None and trainer.training:  # the next batch: the step before ended
+            self.resilience.at_step_boundary()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.resilience.at_step_boundary()  # (a training step fed by `dataloader_iter` has no batch_to_device)
+        self.resilience.step_started()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self.resilience.backward_started()
+        super().pre_backward(closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        return self.resilience.optimizer_step(lambda c: step(closure=c), closure)
 
     def _loss_context(self) -> contextlib.AbstractContextManager[None]:
         # Vocabulary-sharded logits into the loss (loss_parallel); its backward must run inside too.
@@ -364,6 +480,9 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # The first thing Trainer.save_checkpoint asks for, before any on_save_checkpoint hook: the hang watchdog
+        # times none of the checkpoint's dump and save (nor the rest of the step after it).
+        self.resilience.pause()
         return self._sharded_state().model_state()
 
     @override
@@ -373,7 +492,7 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its own shards (Lightning's base class writes on rank 0 only)."""
-        self.pause_heartbeat()  # a save is not a training step: the hang watchdog does not time it
+        self.resilience.pause()  # a save is not a training step (also when called without the Trainer's dump)
         state, mode = self._sharded_state(), self.options.data_parallel_mode
         at = {"layout": self.layout, "data_parallel_mode": mode}
         self._checkpoints.save(self.checkpoint_io, checkpoint, filepath, state, **at, storage_options=storage_options)
@@ -394,14 +513,32 @@ class HybridParallelStrategy(Heartbeat, ParallelStrategy):
         self._checkpoints.load_optimizer_states(self._sharded_state(), optimizers, checkpoint, partial=partial_load)
 
     @override
-    def on_train_start(self) -> None:  # a resume at another data-parallel size keeps the global batch, or is refused
-        self._checkpoints.check_global_batch(
-            lc.attached_trainer(self.lightning_module), self.layout.dp, self.options.global_batch_change
-        )
+    def on_train_start(self) -> None:
+        trainer = lc.attached_trainer(self.lightning_module)
+        # A resume at another data-parallel size keeps the global batch, or is refused.
+        self._checkpoints.check_global_batch(trainer, self.layout.dp, self.options.global_batch_change)
+        self.resilience.start(trainer, preemption=self._checkpoints.sharded(self.checkpoint_io).preemption)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.resilience.at_step_boundary()  # a preemption agreed in the step before: stop before validating
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.resilience.at_step_boundary()  # the last step's
+        self.resilience.stop()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.resilience.stop()  # before Lightning's teardown, which may wait
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:  # not the base class's: it would move the sharded model to the CPU
         assert self.cluster_environment is not None and self.accelerator is not None
+        self.resilience.stop()
         for part in (self.cluster_environment, self.precision_plugin, self.accelerator):
             part.teardown()
         self.checkpoint_io.teardown()  # joins an AsyncCheckpointIO and raises what its saves raised
