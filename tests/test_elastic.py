@@ -24,10 +24,10 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lightning_scale.callbacks.loader_progress import LoaderBatchProgress
 from lightning_scale.core.parallel.layout import Layout, resolve_layout
 from lightning_scale.core.resilience import check_launched_world, launched_sizes, read_ledger, summarize
 from lightning_scale.data import DataParallelSampler, TextDataModule
-from lightning_scale.data.progress import LoaderBatchProgress
 from lightning_scale.data.sampler import accumulation_steps
 from lightning_scale.models import GPTConfig, GPTLightningModule
 from lightning_scale.strategies import HybridParallelStrategy

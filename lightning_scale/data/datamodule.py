@@ -12,9 +12,9 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_scale.callbacks.loader_progress import LoaderBatchProgress
 from lightning_scale.data.dataset import TokenDataset
 from lightning_scale.data.prepare import META_FILE, _input_files, is_prepared, resolve_dataset
-from lightning_scale.data.progress import LoaderBatchProgress
 from lightning_scale.data.sampler import DataParallelSampler, accumulation_steps
 
 __all__ = ["ResumableDataLoader", "TextDataModule", "data_parallel_coordinates"]

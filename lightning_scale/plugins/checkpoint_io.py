@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a process ended by SIGTERM
-# The other statuses a relaunch reads: HANG_EXIT_CODE = 75 (plugins.hang_watchdog: a training step stalled),
+# The other statuses a relaunch reads: HANG_EXIT_CODE = 75 (core.resilience.watchdog: a training step stalled),
 # STRAGGLER_EXIT_CODE = 76 (core.resilience.stragglers: a rank stayed slow; restart without its host).
 _AUTO_RESUME = (True, False, "on_restart")
 
