@@ -298,6 +298,4 @@ def latest(root: AnyPath, *, run_ids: Iterable[str] = (), weights_only: bool = F
     rule = _the_rule()
 
     found = rule.latest([root], formats=("sharded",), run_ids=run_ids, weights_only=weights_only)
-    if found is None:
-        return None
-    return next(c for c in scan(root)[0] if str(c.path) == str(found.path))
+    return None if found is None else Checkpoint(found.path, found.step, found.manifest)
