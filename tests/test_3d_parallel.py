@@ -256,9 +256,9 @@ def test_a_ddp_flag_that_is_not_a_bool_is_refused() -> None:
             r"find_unused_parameters=True configure DistributedDataParallel, which this run does not use: dp=1 x pp=2 x tp=1 has no data parallelism",
         ),
         (
-            {"gradient_as_bucket_view": True},
+            {"gradient_as_bucket_view": False},
             (2, 1, 2),
-            r"gradient_as_bucket_view=True configure .*dp=2 x pp=1 x tp=2 with data_parallel_mode='ddp' runs FSDP2",
+            r"gradient_as_bucket_view=False configure .*dp=2 x pp=1 x tp=2 with data_parallel_mode='ddp' runs FSDP2",
         ),
         (
             {"static_graph": True, "data_parallel_mode": "fsdp"},
@@ -312,7 +312,7 @@ def _ddp_options(world: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     data = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=2)
-    options = {"find_unused_parameters": True, "bucket_cap_mb": 1, "gradient_as_bucket_view": True}
+    options = {"find_unused_parameters": True, "bucket_cap_mb": 1, "gradient_as_bucket_view": False}
     trainer = quiet_trainer(devices=world, strategy=HybridParallelStrategy(**options), max_steps=3)
     trainer.fit(_UnusedModule(), data)
     ddp = trainer.strategy.model
@@ -356,9 +356,19 @@ def test_ddp_options_reach_distributed_data_parallel(two: list[dict[str, Any]]) 
         assert seen == {
             "find_unused_parameters": True,
             "bucket_bytes_cap": 2**20,
-            "gradient_as_bucket_view": True,
+            "gradient_as_bucket_view": False,
             "steps": 3,
         }
+
+
+def test_plain_ddp_keeps_gradients_as_views_of_its_buckets_unless_told_otherwise() -> None:
+    # the package's default, not DDP's: no copy of the gradients into the buckets every step
+    assert HybridParallelStrategy().options.ddp_kwargs(hooks=True)["gradient_as_bucket_view"] is True
+    assert HybridParallelStrategy().options.ddp_kwargs() == {}  # a default is not a DDP option someone set
+    assert (
+        HybridParallelStrategy(gradient_as_bucket_view=False).options.ddp_kwargs(hooks=True)["gradient_as_bucket_view"]
+        is False
+    )
 
 
 # ---------------------------------------------------------------- activation checkpointing and torch.compile, composed

@@ -428,3 +428,31 @@ def test_quickstart_benchmark_prints_its_ratios(tmp_path: Path) -> None:
     cores = len(os.sched_getaffinity(0))
     assert report["threads_per_process"]["hybrid_unset"] == max(1, cores // 2)
     assert report["threads_per_process"]["hybrid_omp1"] == 1
+
+
+@pytest.mark.slow
+def test_sync_benchmark_prints_its_ratios(tmp_path: Path) -> None:
+    report = _bench(
+        "sync",
+        "sync.py",
+        "--quick",
+        "--max-steps",
+        "20",
+        "--every",
+        "5",
+        "--val-every",
+        "10",
+        "--runs",
+        "every_step,diloco,every_step_no_link",
+        out=tmp_path / "sync.json",
+    )
+    assert set(report["runs"]) == {"every_step", "diloco", "every_step_no_link"}
+    # DiLoCo exchanges the parameters once every 5 steps; DDP the gradients (as many values) every step.
+    assert report["bytes_vs_ddp"] == pytest.approx(1 / 5, rel=1e-3)
+    assert report["bytes_bound_vs_ddp"] == pytest.approx(1 / 5)
+    for name, run in report["runs"].items():
+        assert run["final_val_loss"] > 0 and run["train_s"] > 0, name
+        assert sorted({step for step, _ in run["val_curve"]}) == [0, 10, 20], name
+    assert report["runs"]["every_step"]["val_loss_gap"] == 0.0
+    assert report["link"] == {"bandwidth_mbps": 50.0, "latency_ms": 20.0}
+    assert report["paper"]["perplexity_diloco"] == 15.02

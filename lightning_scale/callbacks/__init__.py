@@ -12,6 +12,7 @@ from lightning_scale.callbacks.memory import MemoryMonitor
 from lightning_scale.callbacks.preemption import Preempted, PreemptionCheckpoint
 from lightning_scale.callbacks.step_time import StepTimeBreakdown
 from lightning_scale.callbacks.stragglers import STRAGGLER_EXIT_CODE, StragglerMonitor, StragglerRestart
+from lightning_scale.callbacks.sync import SyncMonitor
 from lightning_scale.callbacks.throughput import Throughput
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "StepTimeBreakdown",
     "StragglerMonitor",
     "StragglerRestart",
+    "SyncMonitor",
     "Throughput",
     "each_callback",
 ]

@@ -49,6 +49,8 @@ __all__ = [
     "reduce_sum",
     "replicas",
     "should_log",
+    "since",
+    "sync_stats_reader",
 ]
 
 _LISTENERS = "_lightning_scale_checkpoint_listeners"
@@ -196,6 +198,19 @@ def model_facts(trainer: Trainer, module: LightningModule) -> ModelFacts:
     for strategies that do not cut it (DDP; FSDP2's DTensors report global sizes)."""
     facts = getattr(trainer.strategy, "model_facts", None)
     return facts if isinstance(facts, ModelFacts) else ModelFacts.of(module)
+
+
+def sync_stats_reader(trainer: Trainer) -> Callable[[], Mapping[str, Any]] | None:
+    """The strategy's ``sync_stats`` (``HybridParallelStrategy``'s): what its data-parallel exchange did since the
+    fit started or the checkpoint it resumed, this process's (``mode``, ``every``, ``bytes_sent``, ``exchanges``,
+    ``blocked_s``); None for a strategy that keeps no such record (Lightning's own), on every process alike."""
+    read = getattr(trainer.strategy, "sync_stats", None)
+    return read if callable(read) else None
+
+
+def since(now: float, last: float) -> float:
+    """The growth of a counter since the reading ``last``; ``now`` itself when it restarted (a new fit's)."""
+    return now - last if now >= last else now
 
 
 def compute_dtype(trainer: Trainer) -> str:

@@ -66,8 +66,8 @@ class CallbackGroup(CallbackSet):
     fewer still as the group's per-step hooks that no member needs are taken out of the dispatch.
     ``lightning-scale-train`` groups the callbacks of its ``callbacks`` config this way (but the checkpoint one).
 
-    The telemetry members (``Throughput``, ``CostMonitor``, ``StepTimeBreakdown``, ``StragglerMonitor``,
-    ``GoodputMonitor``, ``MemoryMonitor``) get no per-step hook: the group records each step once
+    The telemetry members (``Throughput``, ``CostMonitor``, ``StepTimeBreakdown``, ``SyncMonitor``,
+    ``StragglerMonitor``, ``GoodputMonitor``, ``MemoryMonitor``) get no per-step hook: the group records each step once
     (:class:`~lightning_scale.callbacks._steps.StepRecorder`) and they fold the records into their sums at
     logging steps (and before their state is read: validation, checkpoints, the fit's end). They report the
     same figures as apart. One with its own ``batch_shape`` or ``token_count`` gets its hooks as apart.

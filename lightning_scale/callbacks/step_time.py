@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -19,7 +19,8 @@ _PARTS = ("data", "compute", "comm", "optimizer", "checkpoint")
 
 class StepTimeBreakdown(telemetry.SharedTelemetry):
     """Log ``train/step_time/{data,compute,comm,optimizer,checkpoint,total}`` (seconds per optimizer step,
-    averaged over the processes and the steps since the last logging step) and, under pipeline
+    averaged over the processes and the steps since the last logging step), ``train/step_time/sync`` under a
+    strategy that keeps ``sync_stats()`` (``HybridParallelStrategy``) and, under pipeline
     parallelism, ``train/step_time/bubble``, ``pipeline/bubble_measured`` next to
     ``pipeline/bubble_predicted`` and ``pipeline/stage{k}/{compute,idle}`` per stage.
 
@@ -33,6 +34,10 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
       gathers and DTensor's functional collectives overlap with compute and are not separable
       here: they stay in ``compute`` (:func:`lightning_scale.callbacks._telemetry.on_collective`);
     - ``optimizer``: from there to the batch's end: clipping, the update;
+    - ``sync``: the seconds the training loop was blocked waiting on the data-parallel exchange of Local SGD or
+      DiLoCo (the strategy's ``sync_stats()["blocked_s"]``; 0 for ``every_step``, whose all-reduces DDP overlaps
+      with the backward). The exchange runs in the strategy's optimizer step, so it is taken out of
+      ``optimizer`` (never more than ``optimizer`` held): ``total`` still adds up the parts;
     - ``checkpoint``: the time ``trainer.save_checkpoint`` blocks (for an async save, its staging);
     - ``bubble``: the pipeline schedule's time not spent in this rank's stages (``forward_one_chunk``,
       ``backward_one_chunk``, ``backward_weight_one_chunk``, timed inside the schedule): the
@@ -57,6 +62,8 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
     def __init__(self) -> None:
         super().__init__()
         self._cuda = False
+        self._sync: Callable[[], Mapping[str, Any]] | None = None
+        self._blocked = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -76,6 +83,13 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
         self._cleanups.append(telemetry.on_checkpoint_saved(trainer, self._saved))
         self._cleanups.append(telemetry.on_collective(self._communicated))
         self._timer = TimerReader(self._pipeline.timer) if self._pipeline is not None else None
+        self._sync = telemetry.sync_stats_reader(trainer)  # alike on every process: the numbers reduced match
+        self._blocked = 0.0  # the strategy's blocked_s at the last logging step
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._sync is not None:  # from here (a strategy may count on from the checkpoint it resumed)
+            self._blocked = float(self._sync().get("blocked_s", 0.0))
 
     def _within(self, duration: telemetry.Duration) -> bool:
         """Take ``duration`` out of the span running now; False when none runs (validation, before the first batch)."""
@@ -148,8 +162,20 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
             stage = [0.0] * (2 * runner.pp_size)
             stage[2 * runner.pp_rank], stage[2 * runner.pp_rank + 1] = compute_s, step_s - compute_s
             values += [step_s, compute_s, *stage]
+        if self._sync is not None:
+            values.append(self._take_sync(values))
         self._sums, self._steps = dict.fromkeys(_PARTS, 0.0), 0
         return values
+
+    def _take_sync(self, values: list[float]) -> float:
+        """The seconds blocked on the data-parallel exchange since the last logging step, taken out of ``values``'
+        optimizer sum (the exchange ran inside those spans)."""
+        blocked = float(self._sync().get("blocked_s", 0.0)) if self._sync is not None else 0.0
+        waited, self._blocked = telemetry.since(blocked, self._blocked), blocked
+        at = _PARTS.index("optimizer")
+        taken = min(max(waited, 0.0), values[at])
+        values[at] -= taken
+        return taken
 
     def _metrics(self, trainer: Trainer, totals: list[float]) -> dict[str, float]:
         """Per-step means over the processes, from their summed sums."""
@@ -174,8 +200,10 @@ class StepTimeBreakdown(telemetry.SharedTelemetry):
             for k in range(pp):
                 out[f"pipeline/stage{k}/compute"] = stage_totals[2 * k] / ranks_per_stage / steps
                 out[f"pipeline/stage{k}/idle"] = stage_totals[2 * k + 1] / ranks_per_stage / steps
+        if self._sync is not None:  # the last number: blocked on the data-parallel exchange, out of the optimizer's
+            out["train/step_time/sync"] = totals[-1] / world / steps
         out["train/step_time/total"] = sum(
-            out[f"train/step_time/{p}"] for p in (*_PARTS, "bubble") if f"train/step_time/{p}" in out
+            out[f"train/step_time/{p}"] for p in (*_PARTS, "bubble", "sync") if f"train/step_time/{p}" in out
         )
         # layout="auto": the planner's figures for the layout it chose, beside the measured ones.
         chosen = getattr(getattr(trainer.strategy, "auto_layout", None), "chosen", None)

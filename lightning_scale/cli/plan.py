@@ -27,6 +27,7 @@ Stands apart from ``lightning-scale-train``'s chain: it imports only ``plan_sizi
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -37,8 +38,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_scale.cli.plan_sizing import describe, law_named, size_for_budget
 from lightning_scale.core.checks import format_choices
+from lightning_scale.core.parallel.sync_spec import sync_spec
 from lightning_scale.core.planner import Cluster, Estimate, ModelShape, Workload, cluster, estimate, model_shape, plan
 from lightning_scale.core.planner.calibration import calibrated
+from lightning_scale.core.planner.sync import break_even, sync_time
 from lightning_scale.core.telemetry.cost import OFFERS, Price
 
 __all__ = ["HELP", "explain", "main", "offer_name", "plan_from_config", "table"]
@@ -310,6 +313,7 @@ def run(cfg: DictConfig) -> int:
         )
     else:
         print(table(ranked, int(cfg.plan.top)))
+        doc["data_parallel_sync"] = _sync_lines(cfg, ranked)
     if not ranked[0].fits:
         print(_no_fit(ranked, inputs["device_memory"], inputs["headroom"]))
     doc["layouts"] = [{**e.row(), "memory_terms": e.memory.terms, "time_terms": e.time.terms} for e in ranked]
@@ -317,6 +321,42 @@ def run(cfg: DictConfig) -> int:
     _plot(ranked, out / "plan.png")
     print(f"lightning-scale-plan: wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
+
+
+def _sync_lines(cfg: DictConfig, ranked: Sequence[Estimate]) -> dict[str, Any] | None:
+    """``plan.sync`` (else the strategy's ``data_parallel_sync``), when periodic: the best replica layout that
+    fits priced under it beside every step, and the link speed below which it wins (printed; for plan.json)."""
+    value = cfg.plan.get("sync")
+    every = cfg.plan.get("sync_every")
+    if value is None:
+        value, every = cfg.get("strategy", {}).get("data_parallel_sync"), cfg.get("strategy", {}).get("sync_every")
+    if value is None:
+        return None
+    spec = sync_spec(OmegaConf.to_container(value) if isinstance(value, DictConfig) else value, every)
+    if not spec.periodic:
+        return None
+    replicas = [  # what the strategy trains under a periodic mode: replicas, no planned-only dimension
+        e for e in ranked if e.fits and e.candidate.dp_mode == "ddp" and e.candidate.cp == 1 and not e.candidate.float8
+    ]
+    if not replicas:
+        print(f"  data_parallel_sync {spec.describe()}: no layout of replicas (dp_mode ddp, cp 1) fits; not priced")
+        return None
+    _, _, system = _setup(cfg)
+    best, penalty = replicas[0], float(cfg.plan.get("sync_penalty", 1.0))
+    priced = sync_time(best, system, spec)
+    link = break_even(best, system, spec, penalty=penalty)
+    where = (
+        "at every speed"
+        if math.isinf(link)
+        else ("at no speed" if link == 0 else f"below {link / 1e9:.3g} GB/s per NIC")
+    )
+    print(
+        f"  data_parallel_sync {spec.describe()} on {best.name}: {priced.step_time * 1e3:.1f} ms a step against "
+        f"{priced.every_step_time * 1e3:.1f} ms every step ({priced.time_saved * 1e3:+.1f} ms saved), "
+        f"{priced.bytes_ratio:.3g}x the bytes; wins {where} (inter-node {system.inter.bandwidth / 1e9:.3g} GB/s per "
+        f"NIC here; needing {penalty:g}x the tokens: plan.sync_penalty)"
+    )
+    return {**priced.row(), "layout": best.name, "break_even_bytes_per_s_per_nic": link, "penalty": penalty}
 
 
 _FLAGS = {

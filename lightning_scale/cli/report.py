@@ -7,7 +7,9 @@ Reads every job's ``results.json`` and writes ``<sweep dir>/report/``:
 - PNG plots (``report_plots``): throughput, USD per 1M tokens, MFU and peak memory per device as
   labelled bars, one per configuration, best first, with the min..max of its repeats; throughput
   against devices with the ideal (linear) line and scaling efficiency when the sweep varies the
-  device count; the loss curves overlaid;
+  device count; the loss curves overlaid; when the jobs compare data-parallel synchronisation
+  (``experiment=sync_sweep``), validation loss against tokens, training time and bytes sent per process,
+  one line per mode and H (``report_sync``);
 - a warning at the top when throughput is noisy (repeats that disagree, a busy machine);
 - a table of the completed jobs ranked by ``--rank-by``, with their devices and, when devices vary,
   scaling efficiency (skipped and failed jobs listed with why). Several sweeps make one report,
@@ -41,6 +43,7 @@ from lightning_scale.cli.report_plots import (
     planner_table,
     plot_all,
 )
+from lightning_scale.cli.report_sync import plot_sync
 from lightning_scale.cli.results import collect_results, describe_totals, study_totals
 
 __all__ = ["METRICS", "PALETTE", "Report", "build_report", "main"]
@@ -344,6 +347,7 @@ def build_report(
     done = [j for j in jobs if j.get("status") == "completed"]
     plotter = Plotter(directory / "plots")
     notes = plot_all(plotter, done, labels, METRICS) if done else ["No job completed: nothing to plot."]
+    notes += plot_sync(plotter, done, labels)
     groups = group_jobs(done)
     warnings, noise_notes = noise(groups, labels)
     notes += noise_notes

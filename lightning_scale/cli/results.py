@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_scale._lightning_compat import wandb_run_started
 from lightning_scale.callbacks.group import each_callback
 from lightning_scale.callbacks.run_record import CsvHistory, ValidationRecord
+from lightning_scale.callbacks.sync import SyncMonitor
 from lightning_scale.cli.job_config import config_fingerprint, layout_of
 from lightning_scale.core.planner import Candidate
 from lightning_scale.strategies.hybrid.planning import prediction_record
@@ -42,6 +43,7 @@ __all__ = [
     "peak_memory",
     "read_json",
     "study_totals",
+    "sync_record",
     "write_json",
 ]
 
@@ -69,6 +71,10 @@ SUMMARY_METRICS = (
     "cost/hours_to_target",
     "energy/kwh",
     "train/step_time/total",
+    "train/step_time/sync",
+    "train/sync/bytes_per_step",
+    "train/sync/exchanges_per_step",
+    "train/sync/bytes_total",
     "plan/step_time",
     "plan/memory_per_device_gib",
     "plan/tokens_per_sec",
@@ -174,6 +180,13 @@ def peak_memory(trainer: Trainer) -> list[int]:
     return [int(v.item()) for v in values]
 
 
+def sync_record(trainer: Trainer) -> dict[str, Any] | None:
+    """The data-parallel exchange over the whole run (:attr:`~lightning_scale.callbacks.SyncMonitor.summary`: mode, H,
+    bytes sent, exchanges, seconds blocked, training seconds, and ``[step, training s, bytes]`` at each validation;
+    means over the processes), or None without a ``SyncMonitor`` or a strategy that counts them."""
+    return next((c.summary for c in each_callback(trainer) if isinstance(c, SyncMonitor) and c.summary), None)
+
+
 def job_results(
     cfg: DictConfig, summary: dict[str, Any], record: Any, trainer: Trainer, datamodule: Any, peaks: list[int]
 ) -> dict[str, Any]:
@@ -235,6 +248,8 @@ def job_results(
         "attempt": job.get("attempt", 0),
         # Where the wall time went across every attempt (GoodputMonitor): goodput = productive_s / total_s.
         "goodput": summary.get("goodput"),
+        # What the data-parallel exchange sent (SyncMonitor): what the report plots validation loss against.
+        "sync": sync_record(trainer),
         # Why tokens_per_sec may be null: "off" (no Throughput callback), "no_logging_step" (it was on, but the
         # run ended before its first logging step: trainer.log_every_n_steps), or "logged".
         "throughput": ("logged" if summary.get("train/tokens_per_sec") is not None else "no_logging_step")

@@ -1,5 +1,7 @@
 """How a Lightning checkpoint dict maps onto a sharded checkpoint: flat DCP keys for every tensor
-(``model/<fqn>``, ``optim/<i>/<fqn>/<state>``, ``extra/<json path>``) and the JSON of the rest, and back."""
+(``model/<fqn>``, ``optim/<i>/<fqn>/<state>``, ``extra/<json path>``, ``strategy/<key>``) and the JSON of
+the rest, and back. ``strategy_state``: a flat mapping of tensors the strategy keeps besides the model and
+its optimizers, every rank its own (a plain tensor several ranks hold under one key is written once)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ __all__ = [
     "EXTRA",
     "MODEL",
     "OPTIM",
+    "STRATEGY",
     "TRAINER_STATE",
     "add_optimizer_layout",
     "flatten_template",
@@ -32,7 +35,7 @@ __all__ = [
 ]
 
 TRAINER_STATE = "trainer_state.json"
-MODEL, OPTIM, EXTRA = "model", "optim", "extra"
+MODEL, OPTIM, EXTRA, STRATEGY = "model", "optim", "extra", "strategy"
 _LENIENT = ("hyper_parameters", "datamodule_hyper_parameters")
 
 
@@ -63,7 +66,11 @@ def split_checkpoint(checkpoint: Mapping[str, Any], rank: int) -> tuple[dict[str
                     value = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
                 tensors[f"{OPTIM}/{i}/{fqn}/{key}"] = value
         optimizers.append({"param_groups": [hyper_parameters_of(g) for g in state.get("param_groups", [])]})
-    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    for key, value in (checkpoint.get("strategy_state") or {}).items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"strategy_state[{key!r}] is a {type(value).__name__}; it holds tensors only.")
+        tensors[f"{STRATEGY}/{key}"] = value
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", "strategy_state")}
     if "optimizer_states" in checkpoint:
         rest["optimizer_states"] = optimizers
     extras: dict[str, Tensor] = {}
@@ -119,6 +126,9 @@ def load_whole(path: AnyPath, manifest: Mapping[str, Any], *, hash_shards: bool 
     loaded = full_tensors_from(path, manifest=manifest if hash_shards else None)
     checkpoint = decode(json.loads(read_listed(path, manifest, TRAINER_STATE)), loaded)
     checkpoint["state_dict"] = state = {k[len(MODEL) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{MODEL}/")}
+    strategy_state = {k[len(STRATEGY) + 1 :]: v for k, v in loaded.items() if k.startswith(f"{STRATEGY}/")}
+    if strategy_state:
+        checkpoint["strategy_state"] = strategy_state
     for names in manifest.get("tied") or []:
         for alias in names[1:]:
             if names[0] in state:
@@ -174,6 +184,8 @@ def flatten_template(template: Mapping[str, Any]) -> tuple[dict[str, Tensor], di
     numbers: dict[str, tuple[type, Tensor]] = {}
     for name, value in (template.get("state_dict") or {}).items():
         flat[f"{MODEL}/{name}"] = value
+    for key, value in (template.get("strategy_state") or {}).items():
+        flat[f"{STRATEGY}/{key}"] = value
     for i, state in enumerate(template.get("optimizer_states") or []):
         for fqn, entries in state.get("state", {}).items():
             for key, value in entries.items():

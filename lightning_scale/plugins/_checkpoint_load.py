@@ -23,6 +23,7 @@ from lightning_scale.core.checkpoint.storage import AnyPath, as_path, is_url
 from lightning_scale.plugins._checkpoint_layout import (
     EXTRA,
     MODEL,
+    STRATEGY,
     TRAINER_STATE,
     flatten_template,
     load_whole,
@@ -79,6 +80,10 @@ def load_into(
     checkpoint["state_dict"] = {
         k: v for k, v in (template.get("state_dict") or {}).items() if f"{MODEL}/{k}" not in missing
     }
+    if "strategy_state" in template:
+        checkpoint["strategy_state"] = {
+            k: v for k, v in template["strategy_state"].items() if f"{STRATEGY}/{k}" not in missing
+        }
     if "optimizer_states" in template:
         saved_optimizers = checkpoint.get("optimizer_states") or []
         checkpoint["optimizer_states"] = [

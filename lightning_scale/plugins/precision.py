@@ -262,7 +262,8 @@ class MixedPrecision(Precision):
         """This step's global gradient norm and overflow flag (one collective, taken once per step)."""
         if self._stats is None:
             self._unscale(optimizer)
-            self._stats = gradient_stats(self._params(optimizer), self.gradient_scope, self.norm_type)
+            decides = self.scaler is not None or self.nonfinite_grads != "ignore"  # a step skipped on the flag
+            self._stats = gradient_stats(self._params(optimizer), self.gradient_scope, self.norm_type, agree=decides)
         return self._stats
 
     def _needs_stats(self, logging: bool = True) -> bool:

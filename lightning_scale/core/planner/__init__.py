@@ -7,6 +7,8 @@
 - :mod:`~lightning_scale.core.planner.memory` and :mod:`~lightning_scale.core.planner.step_time`: the
   estimates, term by term;
 - :mod:`~lightning_scale.core.planner.search`: every admissible layout, estimated and ranked;
+- :mod:`~lightning_scale.core.planner.sync`: a layout's step under Local SGD or DiLoCo, and the link speed
+  below which they win;
 - :mod:`~lightning_scale.core.planner.published` and :mod:`~lightning_scale.core.planner.measure`: the
   published measurements and the on-machine measurement the model is checked against.
 
@@ -20,6 +22,7 @@ from lightning_scale.core.planner.module_shape import module_shape
 from lightning_scale.core.planner.search import Estimate, candidates, estimate, plan
 from lightning_scale.core.planner.shape import ModelShape, model_shape
 from lightning_scale.core.planner.step_time import Efficiency
+from lightning_scale.core.planner.sync import SyncEstimate, break_even, sync_time
 
 __all__ = [
     "CLUSTERS",
@@ -28,11 +31,14 @@ __all__ = [
     "Efficiency",
     "Estimate",
     "ModelShape",
+    "SyncEstimate",
     "Workload",
+    "break_even",
     "candidates",
     "cluster",
     "estimate",
     "model_shape",
     "module_shape",
     "plan",
+    "sync_time",
 ]

@@ -284,6 +284,11 @@ def estimate_time(
         "microbatches": m,
         "bubble_fraction": bubble,
         "slowdown": slowdown,
+        # What a data-parallel sync mode other than every step exchanges (lightning_scale.core.planner.sync).
+        "parameters_per_rank": params_rank,
+        "parameter_bytes": pbytes,
+        "gradient_bytes": gbytes,
+        "microbatch_s": per_mb,
         **dp_inputs,
     }
     if not explain:

@@ -108,17 +108,39 @@ class GradientScope:
     or a plain tensor): a copy counts only on the rank at coordinate 0 of that dimension, so each
     distinct piece is counted exactly once. ``excluded``: ids of parameters another stage already
     counts (a weight tied across stages).
+
+    ``replicated``: every gradient is already the same on every rank, bit for bit (plain DDP after its
+    all-reduce: each bucket is reduced once and the same result copied to every rank): each rank takes the
+    whole norm from its own gradients, with no collective; the overflow flag is still agreed on when a
+    step is decided by it (:func:`gradient_stats`'s ``agree``).
+
+    ``replica_dim``: a dimension whose coordinates are separate models (replicas that step alone between
+    synchronisations: a periodic ``data_parallel_sync``): each replica's norm is its own, reduced in its own
+    slot of the same all-reduce, while the non-finite flag stays the world's (every replica skips together).
     """
 
     def __init__(
-        self, mesh: DeviceMesh | None = None, *, stage_dim: str | None = None, excluded: Iterable[int] = ()
+        self,
+        mesh: DeviceMesh | None = None,
+        *,
+        stage_dim: str | None = None,
+        excluded: Iterable[int] = (),
+        replica_dim: str | None = None,
+        replicated: bool = False,
     ) -> None:
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if stage_dim is not None and stage_dim not in names:
-            raise ValueError(f"stage_dim={stage_dim!r} is not a dimension of the mesh {names}.")
+        for label, dim in (("stage_dim", stage_dim), ("replica_dim", replica_dim)):
+            if dim is not None and dim not in names:
+                raise ValueError(f"{label}={dim!r} is not a dimension of the mesh {names}.")
         self.mesh = mesh
         self.excluded = frozenset(excluded)
         self._stage = names.index(stage_dim) if stage_dim is not None else None
+        self._replica = names.index(replica_dim) if replica_dim is not None else None
+        if replicated and replica_dim is not None:
+            raise ValueError(
+                "replicated=True (one model, gradients averaged) and a replica_dim (separate models) exclude each other."
+            )
+        self.replicated = replicated
         self._counts: dict[Any, bool] = {}
 
     @property
@@ -140,6 +162,8 @@ class GradientScope:
 
     def counts(self, grad: torch.Tensor) -> bool:
         """Whether this rank counts its piece of ``grad`` (see the class docstring)."""
+        if self.replicated:
+            return True
         key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
         if key not in self._counts:
             self._counts[key] = self._decide(grad)
@@ -160,7 +184,16 @@ class GradientScope:
                     neighbour[dim] = (me[dim] + 1) % ranks.size(dim)
                     if int(ranks[tuple(neighbour)]) in members:
                         spanned.add(dim)
-        return all(me[d] == 0 for d in range(ranks.dim()) if d != self._stage and d not in spanned)
+        own = (self._stage, self._replica)
+        return all(me[d] == 0 for d in range(ranks.dim()) if d not in own and d not in spanned)
+
+    def replica(self) -> tuple[int, int] | None:
+        """(this rank's replica, replicas) along ``replica_dim``; ``None`` without one."""
+        if self._replica is None or self.mesh is None:
+            return None
+        coordinate = self.mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not in the mesh"
+        return coordinate[self._replica], self.mesh.size(self._replica)
 
 
 @dataclass(frozen=True)
@@ -235,7 +268,9 @@ def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [_local(p.grad) for p in parameters if p.grad is not None]
 
 
-def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, norm_type: float = 2.0) -> GradientStats:
+def gradient_stats(
+    parameters: Sequence[torch.Tensor], scope: GradientScope, norm_type: float = 2.0, *, agree: bool = True
+) -> GradientStats:
     """The global gradient norm and the overflow flag from **one** all-reduce of two numbers.
 
     Gradients must not be ``Partial`` (:func:`reduce_partial_grads_`). Each rank takes the norms of
@@ -262,11 +297,22 @@ def gradient_stats(parameters: Sequence[torch.Tensor], scope: GradientScope, nor
     chosen = norms[counted] if pieces else norms
     value = (chosen.max() if chosen.numel() else norms.new_zeros(())) if inf_norm else (chosen**norm_type).sum()
     flag = (~torch.isfinite(norms)).any().to(torch.float64)
-    both = torch.stack([value, flag])
+    replica = scope.replica()
+    if replica is None:
+        both = torch.stack([value, flag])
+    else:  # one slot per replica: each replica's norm is its own
+        both = torch.zeros(replica[1] + 1, dtype=torch.float64, device=device)
+        both[replica[0]], both[-1] = value, flag
     group = scope.group
-    if group is not None:
+    if group is not None and scope.replicated:
+        # Each rank holds the whole (same) norm; only a decision on it (``agree``) takes the flag's collective,
+        # so that a gradient made non-finite on one rank after DDP's reduction still skips the step everywhere.
+        if agree:
+            dist.all_reduce(both[-1:], op=dist.ReduceOp.MAX, group=group)
+    elif group is not None:
         dist.all_reduce(both, op=dist.ReduceOp.MAX if inf_norm else dist.ReduceOp.SUM, group=group)
-    total, nonfinite = both.tolist()
+    values = both.tolist()
+    total, nonfinite = (values[replica[0]] if replica is not None else values[0]), values[-1]
     norm = total if inf_norm else total ** (1.0 / norm_type)
     finite = nonfinite == 0 and math.isfinite(norm)
     if not finite and math.isfinite(norm):

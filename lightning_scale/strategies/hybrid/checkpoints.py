@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale._lightning_compat import attached_trainer, should_accumulate, wrap_resume_start
+from lightning_scale.core.checkpoint.format import read_manifest
 from lightning_scale.core.checkpoint.full_state import load_full_model_state, load_full_optimizer_state
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.checkpoint.storage import RemotePath
@@ -123,6 +124,7 @@ class ShardedCheckpoints:
         layout: Layout,
         data_parallel_mode: str,
         storage_options: Any | None = None,
+        data_parallel_sync: Mapping[str, Any] | None = None,
     ) -> None:
         """Every rank writes its own shards; the manifest records the layout, the wandb run, the tied
         weights (``state.groups()``: stored once under the first name; a whole-model load gives every
@@ -145,6 +147,8 @@ class ShardedCheckpoints:
             "huggingface": _huggingface(module),
             "batch": step_batch(attached_trainer(module), layout.dp),
         }
+        if data_parallel_sync is not None:
+            manifest["data_parallel_sync"] = dict(data_parallel_sync)
         if storage_options is not None:
             if not isinstance(storage_options, Mapping):
                 raise TypeError(
@@ -166,10 +170,12 @@ class ShardedCheckpoints:
         *,
         layout: Layout,
         world_size: int,
+        strategy_state: Callable[[Mapping[str, Any], bool], dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """A whole-state file (``torch.save``, local or at a URL) as it is, or a sharded checkpoint into
         what this rank holds: ``state``'s module (a LightningModule, loaded as strictly as it asks) and,
-        for ``fit``, ``optimizers``' states, reshaped as this rank holds them."""
+        for ``fit``, ``optimizers``' states, reshaped as this rank holds them. ``strategy_state(manifest,
+        fitting)``: the strategy's own entries to load besides (``{}``: none), or a ``ValueError``."""
         io = self.sharded(checkpoint_io)
         whole = self._load_file(io, checkpoint_path, weights_only)
         if whole is not None:
@@ -179,6 +185,10 @@ class ShardedCheckpoints:
         template: dict[str, Any] = {"state_dict": state.model_state()}
         if fitting and optimizers:
             template["optimizer_states"] = [state.optimizer_state(o) for o in optimizers]
+        if strategy_state is not None:
+            own = strategy_state(read_manifest(io.as_path(checkpoint_path)), fitting)
+            if own:
+                template["strategy_state"] = own
         at = {"layout": layout, "world_size": world_size}
         return self._load_sharded(io, checkpoint_path, template, strict=module.strict_loading, fitting=fitting, **at)
 

@@ -12,6 +12,8 @@ from lightning_scale.core.checks import check_positive_int, check_positive_numbe
 from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
 from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.parallel.layout import Layout, check_size
+from lightning_scale.core.parallel.sync_exchange import EmulatedLink
+from lightning_scale.core.parallel.sync_spec import SyncSpec, sync_spec
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 from lightning_scale.core.resilience.watchdog import hang_timeout_policy
 
@@ -53,6 +55,10 @@ _NON_STRUCTURAL = frozenset(
         "gradient_as_bucket_view",
         "hang_timeout",
         "global_batch_change",
+        # A periodic synchronisation wraps nothing for data parallelism, every_step does: compared on that.
+        "data_parallel_sync",
+        "sync_every",
+        "emulated_link",
     }
 )
 _DDP_OPTIONS = ("find_unused_parameters", "static_graph", "bucket_cap_mb", "gradient_as_bucket_view")
@@ -131,10 +137,14 @@ class ParallelOptions:
     find_unused_parameters: bool = False
     static_graph: bool = False
     bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = True
     hang_timeout: str | float | Mapping[str, Any] = "auto"
     global_batch_change: str = "refuse"
+    data_parallel_sync: str | Mapping[str, Any] | SyncSpec = "every_step"
+    sync_every: int | None = None
+    emulated_link: Mapping[str, float] | EmulatedLink | None = None
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
+    _sync: SyncSpec = field(init=False, repr=False, compare=False, default_factory=SyncSpec)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -157,7 +167,7 @@ class ParallelOptions:
             )
         for name in ("sequence_parallel", "loss_parallel", "compile"):
             object.__setattr__(self, name, bool(getattr(self, name)))
-        for name in ("loss_name", "hang_timeout"):  # a YAML config's mapping as a plain dict
+        for name in ("loss_name", "hang_timeout", "data_parallel_sync", "emulated_link"):  # a YAML mapping as a dict
             if isinstance(getattr(self, name), Mapping):
                 object.__setattr__(self, name, dict(getattr(self, name)))
         object.__setattr__(self, "_loss_names", loss_names(self.loss_name))
@@ -203,6 +213,7 @@ class ParallelOptions:
         check_positive_int("powersgd_rank", self.powersgd_rank)
         check_positive_int("powersgd_start_iter", self.powersgd_start_iter)
         hang_timeout_policy(self.hang_timeout)  # ValueError naming the value and what to pass
+        self._check_sync(mode)
         if self.global_batch_change not in GLOBAL_BATCH_CHANGES:
             raise ValueError(
                 f"global_batch_change={self.global_batch_change!r} is not one of {format_choices(GLOBAL_BATCH_CHANGES)}."
@@ -227,6 +238,47 @@ class ParallelOptions:
             check_positive_int("microbatches", self.microbatches, fix="Pass None for 2 x pipeline_parallel.")
             if isinstance(self.pipeline_parallel, int):
                 check_schedule_microbatches(self.schedule, self.pipeline_parallel, self.microbatches)
+
+    def _check_sync(self, mode: str) -> None:
+        if self.sync_every is not None:
+            check_positive_int(
+                "sync_every", self.sync_every, fix="It is H, the optimizer steps between synchronisations."
+            )
+        spec = sync_spec(self.data_parallel_sync, self.sync_every)
+        object.__setattr__(self, "_sync", spec)
+        link = EmulatedLink.of(self.emulated_link)
+        object.__setattr__(self, "emulated_link", link)
+        if not spec.periodic:
+            if link is not None and (self.gradient_compression != "none" or self.ddp_kwargs()):
+                raise ValueError(
+                    f"emulated_link={link} delays DistributedDataParallel's own all-reduce (a communication hook); "
+                    f"gradient_compression={self.gradient_compression!r} and the DDP options "
+                    f"{sorted(self.ddp_kwargs())} would replace or change it. Remove them, or the emulated link."
+                )
+            return
+        if mode != "ddp":
+            raise ValueError(
+                f"data_parallel_sync={spec.describe()} lets each data-parallel replica train a whole model of its own; "
+                f"data_parallel_mode={mode!r} shards one model over the replicas. Use data_parallel_mode='ddp'."
+            )
+        if self.gradient_compression != "none":
+            raise ValueError(
+                f"gradient_compression={self.gradient_compression!r} compresses every step's gradients; "
+                f"data_parallel_sync={spec.describe()} reduces none. Compress its exchange instead "
+                f"(data_parallel_sync={{'mode': {spec.mode!r}, 'every': {spec.every}, 'compression': 'bf16'}})."
+            )
+        ddp = self.ddp_kwargs()
+        if ddp:
+            raise ValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in ddp.items())} configure DistributedDataParallel, which "
+                f"data_parallel_sync={spec.describe()} does not use (no gradient is reduced over the replicas). "
+                "Remove them."
+            )
+
+    @property
+    def sync(self) -> SyncSpec:
+        """The data-parallel synchronisation (``data_parallel_sync`` and ``sync_every`` read together)."""
+        return self._sync
 
     def hsdp_split(self, data_parallel: int, num_nodes: int = 1) -> tuple[int, int]:
         """(replicate, shard) sizes for ``hsdp``; ``"auto"``: replicate across nodes, shard within one."""
@@ -255,8 +307,9 @@ class ParallelOptions:
         ``hooks``: with the communication hook's (``compression``, ``powersgd_*``: ``wrap_ddp``'s)."""
         defaults = {f.name: f.default for f in fields(self) if f.name in _DDP_OPTIONS}
         kwargs = {k: getattr(self, k) for k, default in defaults.items() if getattr(self, k) != default}
-        if hooks:
+        if hooks:  # (what wrap_ddp gets: the package's default of gradient_as_bucket_view too, not DDP's)
             kwargs |= {"compression": self.gradient_compression, "powersgd_rank": self.powersgd_rank}
+            kwargs["gradient_as_bucket_view"] = self.gradient_as_bucket_view
             kwargs["powersgd_start_iter"] = self.powersgd_start_iter
         return kwargs
 
@@ -278,7 +331,12 @@ class ParallelOptions:
                 return "selective" in (self.activation_checkpointing, other.activation_checkpointing)
             return True
 
-        return [
+        wrapped = (
+            []
+            if self._sync.periodic == other._sync.periodic or layout.dp == 1
+            else [f"data_parallel_sync={self._sync.describe()} vs {other._sync.describe()}"]
+        )
+        return wrapped + [
             f"{f.name}={getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
             for f in fields(self)
             if f.init
@@ -288,9 +346,10 @@ class ParallelOptions:
         ]
 
     @staticmethod
-    def plain_ddp(layout: Layout, mode: str) -> bool:
-        """Whether the data-parallel axis is torch's ``DistributedDataParallel`` around the whole module."""
-        return layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and mode == "ddp"
+    def plain_ddp(layout: Layout, mode: str, periodic: bool = False) -> bool:
+        """Whether the data-parallel axis is torch's ``DistributedDataParallel`` around the whole module
+        (``periodic``: a periodic ``data_parallel_sync``, which reduces no gradient: no wrapper at all)."""
+        return layout.dp > 1 and layout.tp == 1 and layout.pp == 1 and mode == "ddp" and not periodic
 
     def check_layout(self, layout: Layout) -> None:
         """Checks that need the resolved sizes (``"auto"`` filled in)."""
@@ -307,6 +366,12 @@ class ParallelOptions:
                 f"{', '.join(f'{k}={v!r}' for k, v in ddp.items())} configure DistributedDataParallel, which this "
                 f"run does not use: {reason}. Remove them, or use plain data parallelism (tensor_parallel=1, "
                 "pipeline_parallel=1, data_parallel_mode='ddp')."
+            )
+        if self.emulated_link is not None and not self._sync.periodic and (layout.tp > 1 or layout.pp > 1):
+            raise ValueError(
+                f"emulated_link delays the every-step gradient all-reduce through a DistributedDataParallel hook; "
+                f"{layout} reduces gradients through FSDP2, which takes none. Use a periodic data_parallel_sync, "
+                "plain data parallelism, or no emulated link."
             )
         if self.gradient_compression != "none" and (layout.tp > 1 or layout.pp > 1):
             raise ValueError(

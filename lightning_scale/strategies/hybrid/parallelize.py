@@ -156,7 +156,8 @@ def parallelize(
        pipeline rank's); which blocks are wrapped on all ranks goes into ``facts`` (``train/hfu``);
     4. ``torch.compile`` of each block (optional);
     5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
-       modules that run them (``mp_policy``: FSDP2's mixed precision, the precision plugin's).
+       modules that run them (``mp_policy``: FSDP2's mixed precision, the precision plugin's); none
+       under a periodic ``data_parallel_sync`` (:mod:`.data_sync` synchronises the replicas).
 
     Tensors created on the meta device stay there: the caller then materialises each rank's part
     (:class:`~lightning_scale.strategies.hybrid.deferred.DeferredBuilder`). Plain data parallelism
@@ -223,7 +224,9 @@ def parallelize(
     if options.compile:  # 4. compile
         compile_blocks(blocks)
 
-    if layout.dp > 1 and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):  # 5. data parallel
+    # 5. data parallel (none for a periodic data_parallel_sync: each replica trains alone between synchronisations)
+    periodic = options.sync.periodic
+    if layout.dp > 1 and not periodic and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):
         if runner is not None:
             roots = runner.stage_modules()
         else:

@@ -192,7 +192,8 @@ class AutoLayout:
                 shape,
                 workload,
                 system,
-                dp_modes=_dp_modes(strategy.num_nodes),
+                # a periodic data_parallel_sync trains replicas: no sharding mode
+                dp_modes=("ddp",) if strategy.options.sync.periodic else _dp_modes(strategy.num_nodes),
                 gradient_accumulation=False,
                 max_micro_batch=workload.global_batch,
                 context_parallel=(1,),

@@ -28,6 +28,8 @@ import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.parallel.data_parallel import check_not_wrapped, gradient_sync_blocked, wrap_ddp
 from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.parallel.sync_exchange import EmulatedLink
+from lightning_scale.core.parallel.sync_spec import SyncSpec
 from lightning_scale.core.parallel.threads import ThreadChoice, share_cores
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_norm
@@ -42,6 +44,7 @@ from lightning_scale.strategies.hybrid.checkpoints import (
 from lightning_scale.strategies.hybrid.checkpoints import (
     unwrapped_optimizer as _unwrapped,
 )
+from lightning_scale.strategies.hybrid.data_sync import DataParallelSync
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
@@ -115,7 +118,8 @@ class HybridParallelStrategy(ParallelStrategy):
             needs none of these four).
         static_graph: Passed to ``DistributedDataParallel``.
         bucket_cap_mb: Passed to ``DistributedDataParallel`` (``None``: DDP's 25).
-        gradient_as_bucket_view: Passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: Passed to ``DistributedDataParallel`` (default ``True``, unlike DDP's own: the
+            gradients are views of its buckets, no copy per step and one gradient's memory less).
         hang_timeout: The hang watchdog every ``fit`` runs: ``"auto"`` (a step is a hang past max(120 s, 10x
             the recent median step), 600 s for the first 3), seconds, a mapping of
             :class:`~lightning_scale.core.resilience.HangTimeout`'s fields, or ``0``/``False`` (off).
@@ -123,6 +127,15 @@ class HybridParallelStrategy(ParallelStrategy):
             step of another number of samples than the checkpoint's run (loader batch x data-parallel ranks x
             ``accumulate_grad_batches``): ``"refuse"`` (``ValueError`` at the fit's start, naming the settings
             that keep it) or ``"allow"`` (a warning; trains on).
+        data_parallel_sync: How the data-parallel replicas agree: ``"every_step"`` (gradients averaged every
+            step), ``"local_sgd"``, ``"diloco"`` or ``"streaming_diloco"`` (each replica trains alone and they
+            synchronise every ``sync_every`` steps), a mapping of
+            :class:`~lightning_scale.core.parallel.sync_spec.SyncSpec`'s fields, or a spec
+            (``diloco(every=50)`` of :mod:`lightning_scale.core.parallel.sync_spec`). Periodic modes need
+            ``data_parallel_mode="ddp"``; see ``docs/sync.md``.
+        sync_every: H, the optimizer steps between synchronisations, for a mode given by name.
+        emulated_link: ``{"bandwidth_mbps": ..., "latency_ms": ...}``: every data-parallel exchange (the
+            every-step all-reduce too) takes at least as long as on that link (benchmarks, what-if studies).
         accelerator: Lightning's (set by the ``Trainer``).
         parallel_devices: Lightning's (set by the ``Trainer``).
         cluster_environment: Lightning's (set by the ``Trainer``).
@@ -163,9 +176,12 @@ class HybridParallelStrategy(ParallelStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         bucket_cap_mb: float | None = None,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         hang_timeout: str | float | Mapping[str, Any] = "auto",
         global_batch_change: str = "refuse",
+        data_parallel_sync: str | Mapping[str, Any] | SyncSpec = "every_step",
+        sync_every: int | None = None,
+        emulated_link: Mapping[str, float] | EmulatedLink | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -195,6 +211,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._checkpoints, self._deferred = ShardedCheckpoints(), DeferredBuilder()
         self.auto_layout = AutoLayout()  # layout="auto": the planner's choice and predicted figures
         self.resilience = Resilience(self.options.hang_timeout)  # the hang watchdog and preemption, no callback
+        self._sync = DataParallelSync(options.sync, options.emulated_link)  # data_parallel_sync
 
     @property
     @override
@@ -321,11 +338,24 @@ class HybridParallelStrategy(ParallelStrategy):
         # Clipping, train/grad_norm and the overflow decision: one all-reduce over the whole mesh (shards
         # count once per holder, copies once, each pipeline stage its own, tied copies once).
         excluded = self.pipeline.excluded_from_norm() if self.pipeline is not None else ()
-        plugin.gradient_scope = GradientScope(self.device_mesh, stage_dim="pp", excluded=excluded)
+        # A periodic data_parallel_sync: each replica's own norm (replicas differ), one decision for all. Plain
+        # DDP: every gradient is the same on every rank once DDP reduced it, so each rank decides alone.
+        o = self.options
+        replica = "dp" if o.sync.periodic else None
+        replicated = ParallelOptions.plain_ddp(self.layout, o.data_parallel_mode, o.sync.periodic)
+        scope = {"excluded": excluded, "replica_dim": replica, "replicated": replicated}
+        plugin.gradient_scope = GradientScope(self.device_mesh, stage_dim="pp", **scope)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = [], []  # the setter empties the LightningOptimizers too
             self.setup_optimizers(trainer)
+            if self.options.sync.periodic and len(self.optimizers) != 1:
+                raise ValueError(
+                    f"data_parallel_sync={self.options.sync.describe()} counts the steps of one optimizer; "
+                    f"configure_optimizers returned {len(self.optimizers)}. Use one optimizer, or 'every_step'."
+                )
+            hooked = self.options.emulated_link is not None and not self.options.sync.periodic
+            self._sync.attach(module, self.device_mesh, self.pipeline, hooked=hooked)
         self.setup_precision_plugin()
 
     def _parallelize(self, module: LightningModule) -> None:
@@ -350,11 +380,14 @@ class HybridParallelStrategy(ParallelStrategy):
         if runner is not None:
             # Fresh stages and schedules for this Trainer call: its micro-batch count and batch shape.
             runner.build(o.microbatches or 2 * layout.pp)
-        if ParallelOptions.plain_ddp(layout, o.data_parallel_mode):
+        if ParallelOptions.plain_ddp(layout, o.data_parallel_mode, o.sync.periodic):
             # Plain data parallelism: Lightning's own path, DDP around the LightningModule; the base
             # strategy redirects training_step through the wrapper so its hooks run.
             backend = self.process_group_backend
             self.model = wrap_ddp(module, self.device_mesh["dp"], backend=backend, **o.ddp_kwargs(hooks=True))
+            if o.emulated_link is not None:
+                group = self.device_mesh["dp"].get_group()
+                self.model.register_comm_hook(None, o.emulated_link.ddp_hook(group, self._sync.ddp_stats))
 
     @contextlib.contextmanager
     @override
@@ -391,7 +424,15 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
-        return self.resilience.optimizer_step(lambda c: step(closure=c), closure)
+        result = self.resilience.optimizer_step(lambda c: step(closure=c), closure)
+        self._sync.after_step()  # data_parallel_sync: a synchronisation when one is due
+        return result
+
+    def sync_stats(self) -> dict[str, Any]:
+        """The data-parallel exchange so far, this rank's (cumulative since the fit started or the checkpoint it
+        resumed): ``mode``, ``every``, ``bytes_sent``, ``exchanges``, ``blocked_s`` (seconds the loop waited
+        on it; 0 under ``every_step``, whose reduction DDP overlaps with the backward)."""
+        return self._sync.stats()
 
     def _loss_context(self) -> contextlib.AbstractContextManager[None]:
         # Vocabulary-sharded logits into the loss (loss_parallel); its backward must run inside too.
@@ -494,14 +535,21 @@ class HybridParallelStrategy(ParallelStrategy):
         """Every rank writes its own shards (Lightning's base class writes on rank 0 only)."""
         self.resilience.pause()  # a save is not a training step (also when called without the Trainer's dump)
         state, mode = self._sharded_state(), self.options.data_parallel_mode
-        at = {"layout": self.layout, "data_parallel_mode": mode}
+        at = {"layout": self.layout, "data_parallel_mode": mode, "data_parallel_sync": self._sync.manifest()}
+        # A periodic data_parallel_sync: the global model, and each replica's own state besides.
+        checkpoint = self._sync.checkpoint(checkpoint, state, [_unwrapped(o) for o in self.optimizers])
         self._checkpoints.save(self.checkpoint_io, checkpoint, filepath, state, **at, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         state, optimizers = self._sharded_state(), [_unwrapped(o) for o in self.optimizers]
         at = {"layout": self.layout, "world_size": self.world_size}
-        return self._checkpoints.load(self.checkpoint_io, checkpoint_path, weights_only, state, optimizers, **at)
+        own = self._sync.template(self.layout.dp, state, optimizers)  # a periodic data_parallel_sync's state
+        checkpoint = self._checkpoints.load(
+            self.checkpoint_io, checkpoint_path, weights_only, state, optimizers, **at, strategy_state=own
+        )
+        self._sync.loaded(checkpoint.pop("strategy_state", {}))
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -511,6 +559,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         optimizers, partial_load = [_unwrapped(o) for o in self.optimizers], self.layout.pp > 1
         self._checkpoints.load_optimizer_states(self._sharded_state(), optimizers, checkpoint, partial=partial_load)
+        self._sync.restore(self._sharded_state(), optimizers)  # each replica's own state, the schedule
 
     @override
     def on_train_start(self) -> None:
@@ -522,12 +571,20 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         self.resilience.at_step_boundary()  # a preemption agreed in the step before: stop before validating
+        trainer = lc.attached_trainer(self.lightning_module)
+        self._sync.validation_started(trainer is not None and trainer.state.fn == TrainerFn.FITTING)
         super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._sync.validation_ended()  # (validation inside a fit saw the global model)
+        super().on_validation_end()
 
     @override
     def on_train_end(self) -> None:
         self.resilience.at_step_boundary()  # the last step's
         self.resilience.stop()
+        self._sync.close()  # a periodic data_parallel_sync: every replica leaves the fit with the same model
         super().on_train_end()
 
     @override
