@@ -114,6 +114,7 @@ def test_ddp_keyword_arguments_leave_defaults_out_and_add_the_hooks_on_request()
         "compression": "powersgd",
         "powersgd_rank": 2,
         "powersgd_start_iter": 10,
+        "gradient_as_bucket_view": True,  # the package's default, not DDP's, always given to wrap_ddp
     }
 
 

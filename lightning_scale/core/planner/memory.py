@@ -28,9 +28,9 @@ the pipeline rank asked for:
   pipeline every parameter of the rank stays gathered for all micro-batches of the step. ``ddp``
   beside tensor or pipeline parallelism is FSDP2's ``replicate``, which gathers every parameter into
   a copy of its own (over a shard group of one), held from the forward to the end of the backward;
-- ``ddp_buckets``: plain DDP (``ddp`` alone) copies the gradients into flat buckets of its own
-  (``gradient_as_bucket_view=False``, the strategy's default) as big as the gradients, kept between
-  steps;
+- ``ddp_buckets``: plain DDP (``ddp`` alone) keeps the gradients in flat buckets of its own, kept
+  between steps (``gradient_as_bucket_view=True``, the strategy's default: the gradients are views of
+  them, so ``gradients`` is 0 here and nothing of them is freed between steps);
 - ``activations``: what one block saves for its backward per micro-batch (below), times the blocks
   of the rank, times the micro-batches the schedule keeps in flight on that rank; checkpointed blocks
   save only their input;
@@ -223,7 +223,7 @@ def _rank_estimate(
         if mixed:  # the fp32 shards, and the 16-bit gathered copy held from the forward to the backward
             terms["parameters"] = params * (pbytes / candidate.data_shards + a)
     elif candidate.dp_mode == "ddp" and candidate.data_shards > 1 and candidate.tp == p == 1:
-        terms["ddp_buckets"] = params * gbytes
+        terms["ddp_buckets"], terms["gradients"] = params * gbytes, 0.0  # the gradients are views of the buckets
     elif candidate.dp_mode == "ddp" and candidate.data_shards > 1:
         terms["fsdp_buffers"] = params * pbytes  # FSDP2's replicate: a gathered copy, forward to backward
     m = candidate.microbatches(workload)
@@ -314,10 +314,9 @@ def estimate_memory(
             )
         step = (
             params * pbytes / p_shard
-            + params * gbytes / g_shard
+            + params * gbytes / g_shard  # (under plain DDP: its buckets, which the gradients are views of)
             + params * pbytes * OPTIMIZERS[workload.optimizer] / o_shard
             + (temporary if OPTIMIZERS[workload.optimizer] else 0.0)
-            + terms["ddp_buckets"]
             + framework
         )
         step_peak = step - sum(terms.values())
