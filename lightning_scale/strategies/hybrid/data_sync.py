@@ -22,7 +22,7 @@ anchors start from the loaded model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from lightning_scale.core.parallel.sync import PeriodicSync, local_tensor
 from lightning_scale.core.parallel.sync_exchange import EmulatedLink, ExchangeStats, ring_bytes
 from lightning_scale.core.parallel.sync_spec import SyncSpec
 from lightning_scale.core.pipeline.runner import PipelineRunner
-from lightning_scale.strategies.hybrid.parallelize import blocks_spec
 from lightning_scale.strategies.hybrid.pipeline_hooks import PIPELINE_SPEC_HOOK, pipeline_spec_of
 
 __all__ = ["DataParallelSync", "fragments_of"]
@@ -45,10 +44,16 @@ _PREFIX = "sync"
 
 def _block_prefixes(module: nn.Module, runner: PipelineRunner | None) -> list[str] | None:
     """The whole model's blocks in order, as name prefixes relative to ``module`` (``None``: it declares none)."""
-    found = pipeline_spec_of(module) if runner is not None else blocks_spec(module)
-    if found is None:
-        return None
-    root_name, spec = found
+    from lightning_scale.core.pipeline.spec import find_registered_spec
+
+    if runner is not None:
+        root_name, spec = pipeline_spec_of(module)
+    else:
+        hook = getattr(module, PIPELINE_SPEC_HOOK, None)
+        found = hook() if callable(hook) else find_registered_spec(module)
+        if found is None:
+            return None
+        root_name, spec = found
     return [f"{root_name}.{b}." if root_name else f"{b}." for b in spec.blocks]
 
 
@@ -107,6 +112,7 @@ class DataParallelSync:
         self._per_step = 0.0
         self._counted_by_hook = False
         self._dp_rank = 0
+        self._params: dict[str, torch.Tensor] = {}
         self._loaded: tuple[Any, dict[str, Any]] | None = None  # (manifest entry, loaded state) until restored
         self._validating: contextlib.ExitStack | None = None
 
@@ -122,9 +128,9 @@ class DataParallelSync:
         self._dp_rank = dp.get_local_rank()
         self._counted_by_hook = hooked
         self.ddp_stats.bytes_sent, self.ddp_stats.exchanges, self.ddp_stats.blocked_s = 0.0, 0, 0.0  # (the hook's)
+        self._params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         if not self.periodic:
-            trained = [local_tensor(p) for p in module.parameters() if p.requires_grad]
-            payload = sum(t.numel() * t.element_size() for t in trained)
+            payload = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in self._params.values())
             self._per_step = ring_bytes(payload, dp.size())
             return
         tied = runner.tied_groups if runner is not None else ()
@@ -151,11 +157,20 @@ class DataParallelSync:
             "blocked_s": s.blocked_s,
         }
 
+    @contextlib.contextmanager
+    def global_model(self) -> Generator[None, None, None]:
+        """Validation inside a fit sees the global model."""
+        if self.runner is None:
+            yield
+            return
+        with self.runner.global_model():
+            yield
+
     def validation_started(self, fitting: bool) -> None:
         """Validation inside a fit sees the global model, until :meth:`validation_ended`."""
         if self.runner is not None and fitting and self._validating is None:
             self._validating = contextlib.ExitStack()
-            self._validating.enter_context(self.runner.global_model())
+            self._validating.enter_context(self.global_model())
 
     def validation_ended(self) -> None:
         if self._validating is not None:

@@ -32,7 +32,6 @@ from lightning_scale.strategies.hybrid.state import ParallelState
 
 __all__ = [
     "TENSOR_PARALLEL_PLAN_HOOK",
-    "blocks_spec",
     "checkpointed_blocks",
     "count_model_facts",
     "count_recomputation",
@@ -69,9 +68,7 @@ def tensor_parallel_plan(module: LightningModule, tp: int, options: ParallelOpti
     return plan
 
 
-def blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:
-    """``(root name, spec)`` of the blocks the module declares (its ``pipeline_spec`` hook, else a registered
-    architecture inside it); ``None``: none."""
+def _blocks_spec(module: LightningModule) -> tuple[str, PipelineSpec] | None:
     hook = getattr(module, PIPELINE_SPEC_HOOK, None)
     return hook() if callable(hook) else find_registered_spec(module)
 
@@ -103,7 +100,7 @@ def count_recomputation(module: LightningModule, options: ParallelOptions, facts
     """Before the model is cut: count what checkpointing each of its blocks makes the backward
     recompute (``ModelFacts.measure_recomputation``, on meta tensors with ``batch``'s shapes), for
     ``train/hfu``. Nothing to do without activation checkpointing or declared blocks."""
-    found = blocks_spec(module)
+    found = _blocks_spec(module)
     if options.activation_checkpointing == "none" or found is None:
         return
     root_name, spec = found
@@ -172,7 +169,7 @@ def parallelize(
     Returns the pipeline runner when ``layout.pp > 1`` (its schedule is built by the caller).
     ``timing_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
     """
-    found = blocks_spec(module)
+    found = _blocks_spec(module)
     needs_blocks = options.activation_checkpointing != "none" or options.compile
     if needs_blocks and found is None:
         raise ValueError(
