@@ -26,6 +26,7 @@ from torch import nn
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
 from lightning_scale.core.parallel.data_parallel import gradient_sync_blocked
 from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.pipeline.spec import PipelineSpec
 from lightning_scale.core.precision.grad_norm import GradientScope, model_grad_norm
 from lightning_scale.plugins import ShardedCheckpointIO
 from lightning_scale.strategies import HybridParallelStrategy
@@ -186,10 +187,15 @@ class _Runner:
 
     def __init__(self) -> None:
         self.root = nn.Linear(2, 1)
-        self.spec = None
+        self.spec = PipelineSpec(blocks=["weight"], loss_fn=lambda output, target: output.sum())
         self.batches_described = False
         self.sync_grads = True
         self.scales: list[float] = []
+        self.loss: Any = None
+        self.metrics: dict[str, Any] = {}  # what the module's own step logged (none: it is not run here)
+
+    def use_loss(self, loss: Any) -> None:
+        self.loss = loss
 
     def train_step(self, inputs: Any, target: Any, scale: float, kwargs: dict) -> torch.Tensor:
         self.scales.append(scale)

@@ -1,7 +1,8 @@
-"""``lightning-scale-plan calibrate DIR [DIR ...]``: fit the planner's efficiency factors to measured runs.
+"""``lightning-scale-plan calibrate PATH [PATH ...]``: fit the planner's efficiency factors to measured runs.
 
-Every ``results.json`` under the directories (a sweep's ``multirun/<study>``, a run's ``outputs/...``)
-that completed, measured its throughput and carries the planner's record of its inputs
+Every ``results.json`` under the directories (a sweep's ``multirun/<study>``, a run's ``outputs/...``), and
+every run of a ``benchmarks/gpu_check.py`` JSON (``gpu_check-<device>-<date>.json``, given as a file or found
+under a directory), that completed, measured its throughput and carries the planner's record of its inputs
 (``planner.inputs``: every run of ``HybridParallelStrategy`` through ``lightning-scale-train``) is one
 observation. Per system (device and links), :func:`~lightning_scale.core.planner.calibration.fit_efficiency`
 fits the factors (``--fit``; default compute, overhead and intra_link, or on a CPU host compute, overhead
@@ -21,6 +22,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_scale.core.planner.calibration import (
     CPU_FITTED,
@@ -39,40 +41,76 @@ from lightning_scale.core.planner.step_time import estimate_time
 __all__ = ["calibrate", "main", "observations_in"]
 
 
+def _documents(roots: Sequence[Path]) -> list[tuple[Path, Any]]:
+    """Each file to read: a ``results.json`` or ``gpu_check-*.json`` under a directory, or a file given itself."""
+    paths: list[Path] = []
+    for root in roots:
+        if root.is_file():
+            paths.append(root)
+        elif root.is_dir():
+            paths += sorted({*root.rglob("results.json"), *root.rglob("gpu_check-*.json")})
+        else:
+            raise ValueError(
+                f"{root} is neither a directory nor a file; pass sweep or run directories holding results.json "
+                "files, or a benchmarks/gpu_check.py JSON."
+            )
+    docs: list[tuple[Path, Any]] = []
+    for path in paths:
+        try:
+            docs.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError) as err:
+            docs.append((path, ValueError(f"not readable JSON ({err})")))
+    return docs
+
+
 def observations_in(dirs: Sequence[Path]) -> tuple[dict[str, tuple[Cluster, list[Observation]]], list[str]]:
-    """The observations under ``dirs`` grouped by system key, and why each other ``results.json`` was left out."""
+    """The observations under ``dirs`` (directories, or files given themselves) grouped by system key, and why
+    each other run was left out. A run is a ``results.json`` (``lightning-scale-train``) or one of the ``runs``
+    of a ``benchmarks/gpu_check.py`` JSON (``gpu_check-<device>-<date>.json``): both carry ``status`` and the
+    planner's record (``planner``: ``inputs``, ``measured``, ``layout``)."""
     groups: dict[str, tuple[Cluster, list[Observation]]] = {}
     skipped: list[str] = []
-    for root in dirs:
-        if not root.is_dir():
-            raise ValueError(f"{root} is not a directory; pass sweep or run directories holding results.json files.")
-        for path in sorted(root.rglob("results.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError) as err:
-                skipped.append(f"{path}: not readable JSON ({err})")
+    for path, doc in _documents(dirs):
+        if isinstance(doc, ValueError):
+            skipped.append(f"{path}: {doc}")
+            continue
+        runs = doc.get("runs") if isinstance(doc, dict) and isinstance(doc.get("runs"), list) else None
+        if runs is None:
+            named = [(str(path), path.parent.name, doc)]
+        else:  # a gpu_check JSON: one observation per run
+            named = [
+                (f"{path}#runs[{i}]", f"{r.get('preset', i)}-{r.get('compile', '')}", r)
+                if isinstance(r, dict)
+                else (f"{path}#runs[{i}]", str(i), r)
+                for i, r in enumerate(runs)
+            ]
+        for where, label, run in named:
+            if isinstance(run, dict) and run.get("calibrate") is False:
+                # gpu_check's eager twin of a compiled run: the planner's record does not tell them apart
+                skipped.append(f"{where}: measured for comparison only (calibrate: false)")
                 continue
-            record = doc.get("planner") if isinstance(doc, dict) else None
-            if not isinstance(record, dict) or "inputs" not in record:
-                why = (
-                    record.get("error")
-                    if isinstance(record, dict)
-                    else "no planner record (another strategy, or an older run)"
-                )
-                skipped.append(f"{path}: {why}")
-                continue
-            measured = record.get("measured") or {}
-            step = measured.get("step_time_s") if isinstance(measured, dict) else None
-            if doc.get("status") != "completed" or not step:
-                skipped.append(f"{path}: no measured step time (status {doc.get('status')!r}; throughput logged?)")
-                continue
-            where = str(path)
-            system = cluster_from_record(record["inputs"].get("cluster"), where)
-            name = f"{path.parent.name}:{record.get('layout', '?')}"
-            observation = observation_from_record(record["inputs"], step, where, name)
-            key = record["inputs"]["cluster"]["key"]
-            groups.setdefault(key, (system, []))[1].append(observation)
+            problem = _observe(run, where, label, groups)
+            if problem:
+                skipped.append(f"{where}: {problem}")
     return groups, skipped
+
+
+def _observe(doc: Any, where: str, label: str, groups: dict[str, tuple[Cluster, list[Observation]]]) -> str:
+    """Add ``doc``'s observation to ``groups``; or why it has none."""
+    record = doc.get("planner") if isinstance(doc, dict) else None
+    if not isinstance(record, dict) or not record.get("inputs"):
+        if isinstance(record, dict) and (record.get("error") or record.get("problem")):
+            return str(record.get("error") or record.get("problem"))
+        return "no planner record (another strategy, or an older run)"
+    measured = record.get("measured") or {}
+    step = measured.get("step_time_s") if isinstance(measured, dict) else None
+    if doc.get("status") != "completed" or not step:
+        return f"no measured step time (status {doc.get('status')!r}; throughput logged?)"
+    system = cluster_from_record(record["inputs"].get("cluster"), where)
+    observation = observation_from_record(record["inputs"], step, where, f"{label}:{record.get('layout', '?')}")
+    key = record["inputs"]["cluster"]["key"]
+    groups.setdefault(key, (system, []))[1].append(observation)
+    return ""
 
 
 def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] | None = None, store: Path | None = None) -> list[str]:
@@ -108,7 +146,12 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] | None = None, store: 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-scale-plan calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories holding results.json files")
+    parser.add_argument(
+        "dirs",
+        nargs="+",
+        type=Path,
+        help="sweep or run directories holding results.json files, or benchmarks/gpu_check.py JSON files",
+    )
     parser.add_argument(
         "--fit",
         default=None,

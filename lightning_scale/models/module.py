@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,21 @@ __all__ = ["GPTLightningModule"]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def _adamw_fused(params: Iterable[torch.Tensor], *, device: torch.device | str | None = None) -> bool | None:
+    """AdamW's ``fused`` argument for ``params``: True when every one is a floating-point tensor on a CUDA
+    device (one fused kernel per step instead of the foreach kernels, torch's default there); otherwise None,
+    torch's own choice (unchanged on the CPU). ``device``: take it as every parameter's device (a DTensor's
+    is its mesh's), to decide for a model before it is moved."""
+    params = list(params)
+    if not params:
+        return None
+    for param in params:
+        where = torch.device(device) if device is not None else param.device
+        if where.type != "cuda" or not param.is_floating_point():
+            return None
+    return True
+
+
 class GPTLightningModule(LightningModule):
     """Next-token language modelling on ``(inputs, targets)`` batches of token ids.
 
@@ -29,7 +44,8 @@ class GPTLightningModule(LightningModule):
         learning_rate: peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW decoupled weight decay, applied to matrices only, not to norms or
             biases.
-        betas, eps: AdamW moments.
+        betas, eps: AdamW moments. On CUDA (every parameter a floating-point CUDA tensor) AdamW runs
+            fused (``fused=True``); elsewhere torch's default.
         warmup_steps: linear warm-up length in optimizer steps.
         min_lr_ratio: the cosine decays to ``min_lr_ratio * learning_rate`` at the last step
             (``Trainer.estimated_stepping_batches``).
@@ -148,6 +164,7 @@ class GPTLightningModule(LightningModule):
             lr=hp.learning_rate,
             betas=tuple(hp.betas),
             eps=hp.eps,
+            fused=_adamw_fused([*decay, *no_decay]),
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)

@@ -97,11 +97,14 @@ class ShardedCheckpointIO(CheckpointIO):
         dirpath: another directory ``"latest"`` looks in (where a preemption checkpoint goes when
             there is no ``ModelCheckpoint``).
         async_save: ``save_checkpoint`` returns once this rank's tensors are copied into host buffers
-            (reused from one save to the next); DCP writes them, and the manifest and rename commit
-            them, in a background thread whose collectives run on a process group of their own
-            (gloo), so training goes on meanwhile. One save is in flight at a time: the next save,
-            a load and teardown wait for it, and raise what it raised. With ``ModelCheckpoint``,
-            prefer ``save_last="link"`` (a second save of the same step would wait for the first).
+            (reused from one save to the next while the tensors keep their shapes and dtypes; on CUDA
+            pinned, and filled by non-blocking copies on a side stream that the compute stream, not the
+            host, waits for: :class:`~lightning_scale.core.checkpoint.host_staging.HostStager`); DCP
+            writes them, and the manifest and rename commit them, in a background thread whose
+            collectives run on a process group of their own (gloo), so training goes on meanwhile. One
+            save is in flight at a time: the next save, a load and teardown wait for it, and raise what
+            it raised. With ``ModelCheckpoint``, prefer ``save_last="link"`` (a second save of the same
+            step would wait for the first).
         preemption: add a :class:`~lightning_scale.callbacks.PreemptionCheckpoint` to every ``fit``
             that has none (SIGTERM/SIGUSR1: finish the step, commit a checkpoint, exit with
             :data:`PREEMPTION_EXIT_CODE`).
@@ -284,6 +287,8 @@ class ShardedCheckpointIO(CheckpointIO):
         group: Any,
         writer: StagingWriter | None,
     ) -> None:
+        if writer is not None:  # an async save: its device-to-host copies may still be under way (CUDA)
+            writer.synchronize_staging()
         save_sharded(
             path,
             tensors,

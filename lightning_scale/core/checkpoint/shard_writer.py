@@ -1,6 +1,6 @@
 """Writing DCP checkpoints: :class:`StagingWriter`, DCP's ``FileSystemWriter`` (its fsspec layer for
-a URL) with reused host buffers for async saves, hashing each shard file as it is written so the
-manifest needs no second read. No Lightning, no process group.
+a URL) with reused host buffers for async saves (:mod:`.host_staging`), hashing each shard file as it
+is written so the manifest needs no second read. No Lightning, no process group.
 """
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ import io
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_scale.core.checkpoint.checksums import DEFAULT_CHECKSUM, check_checksum, new_digest
 from lightning_scale.core.checkpoint.format import is_shard_file
+from lightning_scale.core.checkpoint.host_staging import HostStager
 from lightning_scale.core.checkpoint.shard_reader import dcp_filesystem, dcp_id
 from lightning_scale.core.checkpoint.storage import RemotePath, as_path
-from lightning_scale.core.compat import copy_state_dict, create_cpu_state_dict
 
 __all__ = ["StagingWriter"]
 
@@ -89,15 +88,18 @@ class _HashingFileSystem:
 
 class StagingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` whose :meth:`stage` copies a state dict into host buffers kept from the
-    previous save (DCP's cached staging), pinned only where CUDA can pin, rebuilt when the tensors change.
-    Each save's path picks DCP's local or fsspec filesystem (``fsync`` locally; an object store's
-    write is durable when it returns); the shard files are hashed as they are written (:attr:`digests`,
-    with the algorithm ``checksum`` names: one of ``CHECKSUMS``)."""
+    previous save (a :class:`~lightning_scale.core.checkpoint.host_staging.HostStager`: pinned, and filled
+    by non-blocking copies on a side stream, where CUDA is available), rebuilt for the tensors whose shape
+    or dtype changed; the thread that writes calls :meth:`synchronize_staging` first. ``cache=False``: new
+    buffers on every save. Each save's path picks DCP's local or fsspec filesystem (``fsync`` locally; an
+    object store's write is durable when it returns); the shard files are hashed as they are written
+    (:attr:`digests`, with the algorithm ``checksum`` names: one of ``CHECKSUMS``)."""
 
     def __init__(self, *, thread_count: int = 1, cache: bool = True, checksum: str = DEFAULT_CHECKSUM) -> None:
-        super().__init__(".", sync_files=True, thread_count=thread_count, cache_staged_state_dict=cache)
+        # DCP's own staging (cache_staged_state_dict) is replaced by the HostStager below.
+        super().__init__(".", sync_files=True, thread_count=thread_count, cache_staged_state_dict=False)
         self.checksum = check_checksum(checksum)
-        self._layout: list[tuple[str, tuple[int, ...], torch.dtype, type]] | None = None
+        self.stager = HostStager(reuse=cache)
         self.digests: dict[str, tuple[int, str]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -110,8 +112,9 @@ class StagingWriter(FileSystemWriter):
         super().reset(checkpoint_id)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        layout = [(k, tuple(v.shape), v.dtype, type(v)) for k, v in state_dict.items()]
-        if self.state_dict_cache is None or layout != self._layout:
-            self.state_dict_cache = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._layout = layout
-        return copy_state_dict(state_dict, self.state_dict_cache)
+        """``state_dict``'s tensors in this writer's host buffers (see :class:`HostStager`)."""
+        return self.stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Wait until the last :meth:`stage`'s copies are in the host buffers (the writing thread, before it writes)."""
+        self.stager.synchronize()

@@ -15,9 +15,11 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_scale.core.checks import check_positive_int, format_choices
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "compile_blocks"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "COMPILE", "apply_activation_checkpointing", "compile_blocks", "resolve_compile"]
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+COMPILE = (True, False, "auto")
+"""The values of ``compile``: per-block ``torch.compile`` on, off, or on where the root device is CUDA."""
 
 
 def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: str, every: int = 2) -> int:
@@ -47,7 +49,24 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def compile_blocks(blocks: Sequence[nn.Module], **compile_kwargs: Any) -> None:
-    """``torch.compile`` each block in place (``Module.compile``: names and parameters unchanged)."""
+def resolve_compile(compile: bool | str, device: torch.device | str) -> bool:
+    """Whether to ``torch.compile`` each block on ``device``: ``True``/``False`` as given; ``"auto"`` when the
+    device is CUDA (regional compilation, as torchtitan does: one compiled graph per block, reused by every
+    block of the same structure, so compile time does not grow with depth), not on the CPU, where inductor's
+    C++ compile takes longer than a short run gains."""
+    if isinstance(compile, bool):
+        return compile
+    if compile == "auto":
+        return torch.device(device).type == "cuda"
+    raise ValueError(
+        f"compile={compile!r} is not one of {', '.join(map(repr, COMPILE))}: True compiles each block, False none, "
+        "'auto' each block where the root device is CUDA."
+    )
+
+
+def compile_blocks(blocks: Sequence[nn.Module], **compile_kwargs: Any) -> int:
+    """``torch.compile`` each block in place (``Module.compile``: names and parameters unchanged); returns how
+    many. Compilation itself happens at each block's first call (the first training step)."""
     for block in blocks:
         block.compile(**compile_kwargs)
+    return len(blocks)

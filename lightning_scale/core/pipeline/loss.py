@@ -21,7 +21,7 @@ import torch
 
 from lightning_scale.core.pipeline.spec import IGNORE_INDEX
 
-__all__ = ["MicroBatchLoss", "split_microbatches", "tensors_of"]
+__all__ = ["MicroBatchLoss", "split_microbatches", "tensors_of", "zero_loss"]
 
 
 def split_microbatches(value: Any, n: int) -> list[Any]:
@@ -49,7 +49,7 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _zero_loss(output: Any) -> torch.Tensor:
+def zero_loss(output: Any) -> torch.Tensor:
     """A loss of exactly zero whose backward gives every output element a zero gradient: a micro-batch
     with nothing labelled still runs its backward, as the schedule's other stages expect (its own loss
     would be 0/0)."""
@@ -66,7 +66,12 @@ class MicroBatchLoss:
 
     Call :meth:`set_targets` before each schedule step; ``scale`` multiplies every weighted loss
     (the precision plugin's loss scale over the accumulation steps), ``predicting`` makes every loss
-    a placeholder zero.
+    a placeholder zero. ``rebuild`` turns the output torch hands over back into what the model
+    returned (:meth:`~lightning_scale.core.pipeline.structure.StructuredEdges.rebuild_output`).
+
+    Subclasses may run another loss per micro-batch (the user's own step): ``target_of`` picks what
+    ``loss_tokens`` counts in a micro-batch's target, and :meth:`finish`, called on the last stage after
+    each schedule step, reports a refusal and the values to log.
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], loss_tokens: Callable[[Any], Any] | None) -> None:
@@ -75,6 +80,16 @@ class MicroBatchLoss:
         self.predicting = False
         self.targets: list[Any] = []
         self.weights: list[float] = []
+        self.rebuild: Callable[[Any], Any] = lambda output: output
+
+    def target_of(self, target: Any) -> Any:
+        """What ``loss_tokens`` counts in (and the -100 check reads from) a target."""
+        return target
+
+    def finish(self) -> tuple[str | None, dict[str, tuple[torch.Tensor, Any]]]:
+        """After a schedule step, on the last stage: ``(refusal or None, {name: (value, extra)})`` of what
+        to log (the value a float64 tensor, ``extra`` passed through to the caller)."""
+        return None, {}
 
     def set_targets(self, target: Any, microbatches: int) -> torch.Tensor:
         """Split ``target`` into the step's micro-batch targets and weigh them; returns the index
@@ -85,7 +100,8 @@ class MicroBatchLoss:
         n = microbatches
         self.targets = split_microbatches(target, n)
         if self.loss_tokens is None:
-            if any(not t.is_floating_point() and bool((t == IGNORE_INDEX).any()) for t in tensors_of(target)):
+            labels = tensors_of(self.target_of(target))
+            if any(not t.is_floating_point() and bool((t == IGNORE_INDEX).any()) for t in labels):
                 raise ValueError(
                     f"The batch's target holds {IGNORE_INDEX} (positions a cross entropy leaves out of its mean), and "
                     "the pipeline spec does not say how many positions its loss_fn averages over, so the micro-batches "
@@ -97,7 +113,10 @@ class MicroBatchLoss:
         else:
             # One host synchronisation for all the counts.
             counts = [
-                int(c) for c in torch.stack([torch.as_tensor(self.loss_tokens(t)) for t in self.targets]).tolist()
+                int(c)
+                for c in torch.stack(
+                    [torch.as_tensor(self.loss_tokens(self.target_of(t))) for t in self.targets]
+                ).tolist()
             ]
             total = sum(counts)
             # Nothing labelled in the whole batch: every micro-batch's loss is NaN, as one process's would be.
@@ -105,10 +124,11 @@ class MicroBatchLoss:
         return torch.arange(n)
 
     def __call__(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        output = self.rebuild(output)
         if self.predicting:
             return tensors_of(output)[0].new_zeros(())
         i = int(index)
         weight = self.weights[i]
         if weight == 0.0:
-            return _zero_loss(output)
+            return zero_loss(output)
         return self.loss_fn(output, self.targets[i]) * (weight * self.scale)

@@ -49,6 +49,7 @@ from lightning_scale.core.pipeline.spec import (
     undeclared_buffers,
     undeclared_parameters,
 )
+from lightning_scale.core.pipeline.structure import DescriptionLink, StructuredEdges, gloo_group, map_tensors
 from lightning_scale.core.pipeline.ties import TiedCopies, check_ties_for_data_parallel
 from lightning_scale.core.pipeline.timing import StageTimer
 
@@ -122,6 +123,9 @@ class PipelineRunner:
         self.is_last = self.num_stages - 1 in self.local_stages
         self._last_global_rank = int(self.pp_mesh.mesh[ranks[-1]])
         self._replicas = mesh["dp"].size()
+        # Stage outputs that are dicts, dataclasses or ModelOutputs cross the cut as their tensors.
+        link = DescriptionLink([int(self.pp_mesh.mesh[r]) for r in ranks], gloo_group(mesh))
+        self._edges = StructuredEdges(link, self.num_stages)
 
         tied = tied_parameter_groups(root)
         self.tied_groups = [list(names) for names in tied]
@@ -146,6 +150,7 @@ class PipelineRunner:
         groups = [*tied, *([n] for n in self.shared_parameters if n not in tied_names)]
         self._ties = TiedCopies(root, groups, mesh, device)
         self._loss = MicroBatchLoss(spec.loss_fn, spec.loss_tokens)
+        self._loss.rebuild = self._edges.rebuild_output
         self._root, self._spec = root, spec
         self._modules: list[nn.Module] | None = None
         self._shape: tuple[tuple[int, ...], ...] | None = None  # fixed by the first batch after `build`
@@ -157,6 +162,19 @@ class PipelineRunner:
         """Whether the strategy has said how it reads this runner's batches (it does so once)."""
         self.timer = StageTimer(device)
         """Compute and step time of the training schedule on this rank (``core.pipeline.timing``)."""
+        self.metrics: dict[str, tuple[float, Any]] = {}
+        """What the last step's loss reported to log (:meth:`MicroBatchLoss.finish`), averaged over replicas."""
+
+    def use_loss(self, loss: MicroBatchLoss) -> None:
+        """Run ``loss`` on the last stage instead of the spec's (e.g. the user's own step per micro-batch)."""
+        loss.rebuild = self._edges.rebuild_output
+        self._loss = loss
+        if self.schedule is not None:
+            self.build()
+
+    @property
+    def loss(self) -> MicroBatchLoss:
+        return self._loss
 
     def describe(self) -> str:
         """One line for the start-up log: stages, partition, costs and the predicted bubble."""
@@ -219,6 +237,7 @@ class PipelineRunner:
             check_schedule_microbatches(self.schedule_name, self.pp_size, microbatches)
             self.microbatches = microbatches
         modules, group = self.stage_modules(), self.pp_mesh.get_group()
+        self._edges.attach(modules, self.local_stages)
 
         def stages() -> list[Any]:
             return make_stages(modules, self.local_stages, self.num_stages, self.device, group, lambda: self.sync_grads)
@@ -288,6 +307,7 @@ class PipelineRunner:
         args = _as_args(inputs) if self.is_first else ()
         losses: list[torch.Tensor] = []  # one weighted, scaled loss per micro-batch, filled on the last stage
         step: dict[str, Any] = {"target": indices, "losses": losses} if self.is_last else {}
+        self._edges.active = True
         try:
             if train:
                 with self.timer.span("step"):
@@ -302,20 +322,49 @@ class PipelineRunner:
             if called is not None:
                 raise ValueError(called) from err
             raise
-        # Only the last stage knows the loss; every rank gets the true value, averaged over the
-        # data-parallel replicas: one collective per step. float64 on every rank: the collective
-        # must have the same size everywhere, whatever the model's precision.
-        loss = torch.zeros((), device=self.device, dtype=torch.float64)
+        finally:
+            self._edges.active = False
+            self._edges.link.wait()
+        refusal, metrics = self._loss.finish() if self.is_last else (None, {})
+        # Only the last stage knows the loss (and whether its loss refused the step, and what it logs);
+        # every rank gets the true value, averaged over the data-parallel replicas: one collective per
+        # step. float64 on every rank: the collective must have the same size everywhere, whatever the
+        # model's precision.
+        head = torch.zeros(3, device=self.device, dtype=torch.float64)
         if self.is_last:
-            loss = torch.stack([_local(l.detach()).to(torch.float64) for l in losses]).sum() / scale
+            head[0] = torch.stack([_local(l.detach()).to(torch.float64) for l in losses]).sum() / scale
+            head[1], head[2] = float(refusal is not None), float(bool(metrics))
         if self._replicas == 1:
-            dist.broadcast(loss, src=self._last_global_rank, group=self.pp_mesh.get_group())
+            dist.broadcast(head, src=self._last_global_rank, group=self.pp_mesh.get_group())
         else:
             # Every rank of the last stage (each data-parallel replica, each tensor shard) holds its
             # replica's loss; the others contribute zero.
-            dist.all_reduce(loss)
-            loss /= self._replicas * self.mesh["tp"].size()
-        return loss
+            dist.all_reduce(head)
+            head[0] /= self._replicas * self.mesh["tp"].size()
+        self.metrics = {}
+        if bool((head[1:] > 0).any()):  # rarely: a refusal, or a step that logs
+            self.metrics = self._gathered(refusal, metrics)
+        return head[0]
+
+    def _gathered(
+        self, refusal: str | None, metrics: dict[str, tuple[torch.Tensor, Any]]
+    ) -> dict[str, tuple[float, Any]]:
+        """Every last stage's refusal and values, on every rank: raises the first refusal; else each
+        value averaged over the replicas (every last stage must report the same names)."""
+        mine = (refusal, {k: (float(v), extra) for k, (v, extra) in metrics.items()}) if self.is_last else None
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        reports = [g for g in gathered if g is not None]
+        refusals = [r for r, _ in reports if r is not None]
+        if refusals:
+            raise ValueError(refusals[0])
+        names = [list(m) for _, m in reports]
+        if any(n != names[0] for n in names):
+            raise ValueError(
+                f"The pipeline's last stages logged different metrics in one step ({names[0]} and "
+                f"{next(n for n in names if n != names[0])}): every data-parallel replica must log the same names."
+            )
+        return {name: (sum(m[name][0] for _, m in reports) / len(reports), reports[0][1][name][1]) for name in names[0]}
 
     def train_step(
         self, inputs: Inputs, target: Any, scale: float, kwargs: Mapping[str, Any] | None = None
@@ -373,13 +422,17 @@ class PipelineRunner:
         # The schedule computes a loss on the last stage whenever it has a loss function; while
         # predicting that loss is a placeholder.
         self._loss.predicting = True
+        self._edges.active = True
         try:
             step = {"target": torch.arange(self.microbatches)} if self.is_last else {}
             output = self._eval_schedule.eval(*(args if self.is_first else ()), **step, **kwargs)
         finally:
             self._loss.predicting = False
-        if isinstance(output, DTensor):
-            output = output.full_tensor()
-        box = [output.cpu() if self.is_last else None]
+            self._edges.active = False
+            self._edges.link.wait()
+        box = [None]
+        if self.is_last:
+            whole = self._edges.rebuild_output(output)
+            box = [map_tensors(whole, lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).cpu())]
         dist.broadcast_object_list(box, src=self._last_global_rank, group=self.pp_mesh.get_group())
-        return box[0].to(args[0].device)
+        return map_tensors(box[0], lambda t: t.to(args[0].device))

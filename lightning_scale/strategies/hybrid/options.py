@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+import torch
+
 from lightning_scale.core.checks import check_positive_int, check_positive_number, format_choices
-from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING
+from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING, resolve_compile
 from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.parallel.layout import Layout, check_size
 from lightning_scale.core.parallel.sync_exchange import EmulatedLink
@@ -129,7 +131,7 @@ class ParallelOptions:
     loss_parallel: bool = True
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     gradient_compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
@@ -145,6 +147,7 @@ class ParallelOptions:
     emulated_link: Mapping[str, float] | EmulatedLink | None = None
     _loss_names: dict[str, str] = field(init=False, repr=False, compare=False, default_factory=dict)
     _sync: SyncSpec = field(init=False, repr=False, compare=False, default_factory=SyncSpec)
+    _compile_auto: bool = field(init=False, repr=False, compare=False, default=False)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -165,8 +168,14 @@ class ParallelOptions:
             raise ValueError(
                 f"cluster={self.cluster!r} is what layout='auto' plans for; set layout='auto' or remove it."
             )
-        for name in ("sequence_parallel", "loss_parallel", "compile"):
+        for name in ("sequence_parallel", "loss_parallel"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+        # compile="auto" (what conf/strategy/hybrid.yaml sets) reads as a bool here, by whether CUDA is available,
+        # so every reader of ``compile`` sees a bool; parallelize() decides by the root device (compiles_on).
+        object.__setattr__(self, "_compile_auto", self.compile == "auto" and not isinstance(self.compile, bool))
+        object.__setattr__(
+            self, "compile", resolve_compile(self.compile, "cuda" if torch.cuda.is_available() else "cpu")
+        )
         for name in ("loss_name", "hang_timeout", "data_parallel_sync", "emulated_link"):  # a YAML mapping as a dict
             if isinstance(getattr(self, name), Mapping):
                 object.__setattr__(self, name, dict(getattr(self, name)))
@@ -312,6 +321,16 @@ class ParallelOptions:
             kwargs["gradient_as_bucket_view"] = self.gradient_as_bucket_view
             kwargs["powersgd_start_iter"] = self.powersgd_start_iter
         return kwargs
+
+    @property
+    def compile_setting(self) -> bool | str:
+        """``compile`` as given: True, False or ``"auto"``."""
+        return "auto" if self._compile_auto else self.compile
+
+    def compiles_on(self, device: torch.device | str) -> bool:
+        """Whether each block is ``torch.compile``-d on the root ``device``: ``compile=True``/``False`` as given,
+        ``"auto"`` on CUDA only (:func:`~lightning_scale.core.parallel.blocks.resolve_compile`)."""
+        return resolve_compile(self.compile_setting, device)
 
     def structural_differences(self, other: ParallelOptions, layout: Layout) -> list[str]:
         """Options that decide how a module is cut and wrapped at ``layout`` and differ between ``self``

@@ -5,6 +5,7 @@ the blocks activation checkpointing wraps, the model's facts taken before it is 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -170,10 +171,14 @@ def parallelize(
     ``timing_batch()``: ``(inputs, target)`` to time blocks on, for ``partition="by_cost"``.
     """
     found = _blocks_spec(module)
-    needs_blocks = options.activation_checkpointing != "none" or options.compile
+    compiling = options.compiles_on(device)
+    if compiling and found is None and options.compile_setting == "auto":
+        rank_zero_info(f"compile='auto': {type(module).__name__} declares no blocks, so none is compiled.")
+        compiling = False
+    needs_blocks = options.activation_checkpointing != "none" or compiling
     if needs_blocks and found is None:
         raise ValueError(
-            f"activation_checkpointing={options.activation_checkpointing!r} and compile={options.compile} act on "
+            f"activation_checkpointing={options.activation_checkpointing!r} and compile={options.compile_setting!r} act on "
             f"the model's blocks, but {type(module).__name__} declares none: define `{PIPELINE_SPEC_HOOK}(self)` "
             "(it lists the blocks) or register the architecture with lightning_scale.core.pipeline.spec.register_pipeline_spec."
         )
@@ -221,8 +226,14 @@ def parallelize(
         if share is not None:
             detail += f"; recomputing them adds {share:.1%} to the training FLOPs (FlopCounterMode, meta tensors)"
         rank_zero_info(f"Activation checkpointing ({mode}): {detail}")
-    if options.compile:  # 4. compile
-        compile_blocks(blocks)
+    if compiling:  # 4. compile (regional: each block its own graph)
+        begin = time.perf_counter()
+        count = compile_blocks(blocks)
+        rank_zero_info(
+            f"torch.compile (compile={options.compile_setting!r}, {device.type}): {count} blocks wrapped in "
+            f"{time.perf_counter() - begin:.2f} s; each compiles at its first call (the first training step's "
+            "extra time is the compile time)."
+        )
 
     # 5. data parallel (none for a periodic data_parallel_sync: each replica trains alone between synchronisations)
     periodic = options.sync.periodic

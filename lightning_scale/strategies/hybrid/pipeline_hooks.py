@@ -14,7 +14,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_scale._lightning_compat import before_batch_transfer, loop_data_source
 from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec, with_registered_forward
@@ -133,29 +133,36 @@ def check_pipeline_module(module: LightningModule, pipeline_parallel: int, loss_
             "of every micro-batch itself, so `manual_backward` has no graph to act on. Use automatic optimisation, "
             "or pipeline_parallel=1."
         )
-    steps = ("training_step", "validation_step", "test_step", "predict_step", "backward")
-    bypassed = [m for m in steps if is_overridden(m, module)]
     _, spec = pipeline_spec_of(module)
+    name = type(module).__name__
+    own = [m for m in ("training_step", "validation_step", "test_step") if is_overridden(m, module)]
+    rank_zero_info(
+        f"pipeline_parallel={pipeline_parallel}: each rank runs its stages; on the last one {name}'s "
+        f"{', '.join(own) or 'training_step'} run{'s' if len(own) < 2 else ''} once per micro-batch with the model's "
+        "output in place of its forward, the micro-batches weighted "
+        f"{'equally' if spec.loss_tokens is None else f'by their shares of {_name(spec.loss_tokens)}'} (a step the "
+        "pipeline cannot run exactly is refused before the optimizer steps); what they log is logged once per step, "
+        "reduced over the micro-batches. "
+        f"Batches: {describe_batches(module, spec)}."
+    )
+    bypassed = [m for m in ("predict_step", "backward") if is_overridden(m, module)]
     zero_grad = (
         " Its optimizer_zero_grad runs, but the strategy itself releases the previous step's gradients before "
         "each window's first schedule (on_before_zero_grad sees none)."
         if is_overridden("optimizer_zero_grad", module)
         else ""
     )
-    not_called = (
-        f"{type(module).__name__}'s {', '.join(bypassed)} {'is' if len(bypassed) == 1 else 'are'} not called (each "
-        "needs the whole model). Instead each"
-        if bypassed
-        else "Each"
-    )
-    rank_zero_warn(
-        f"pipeline_parallel={pipeline_parallel}: {not_called} rank runs its stages, and the loss that trains is "
-        f"{describe_loss(spec)}. Batches: {describe_batches(module, spec)}. The strategy logs the loss as "
-        f"{', '.join(repr(n) for n in loss_names.values())} (HybridParallelStrategy(loss_name=...)) and returns "
-        "it from training_step; predict returns the model's output. Hooks, callbacks, optimizers, schedulers, "
-        f"clipping and accumulation work as usual.{zero_grad}",
-        category=UserWarning,
-    )
+    if bypassed or zero_grad:
+        not_called = (
+            f"{name}'s {' and '.join(bypassed)} {'is' if len(bypassed) == 1 else 'are'} not called: "
+            if bypassed
+            else ""
+        )
+        rank_zero_warn(
+            f"pipeline_parallel={pipeline_parallel}: {not_called}predict returns the last stage's output and the "
+            f"schedule runs the backward of every micro-batch itself.{zero_grad}",
+            category=UserWarning,
+        )
 
 
 def describe_loss(spec: PipelineSpec) -> str:

@@ -1,6 +1,9 @@
 """Lightning's step methods when a pipeline runs the model: the schedule does the forward and
-backward of every micro-batch, so the module's own step methods are not called (each needs the
-whole model); the last stage's loss is logged and returned."""
+backward of every micro-batch, and the module's own step (``training_step``; ``validation_step`` and
+``test_step`` when it defines them) runs on the last stage once per micro-batch as its loss
+(:mod:`.pipeline_loss`). What it logs is logged on every rank after the schedule, reduced over the
+micro-batches and replicas; the step's loss is returned (and logged under the strategy's loss name
+unless the step logs that name itself)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_scale._lightning_compat import skips_backward
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.strategies.hybrid.pipeline_hooks import describe_batches, pipeline_batch
+from lightning_scale.strategies.hybrid.pipeline_loss import StepLoss
 
 __all__ = ["PipelineSteps"]
 
@@ -37,6 +42,42 @@ class PipelineSteps:
         self.loss_names = dict(loss_names)
         self.runner: PipelineRunner | None = None
         self.stashed: StashedGrads = []
+        self._options: dict[str, dict[str, Any]] = {}
+        self.in_user_step = False
+        """True while the module's own step runs on the last stage (the strategy's collectives then do not
+        communicate: only that stage's ranks are there)."""
+
+    @contextlib.contextmanager
+    def user_step(self) -> Generator[None, None, None]:
+        self.in_user_step = True
+        try:
+            yield
+        finally:
+            self.in_user_step = False
+
+    def _step_loss(self, module: LightningModule, method: str, args: tuple[Any, ...], training: bool) -> bool:
+        """The runner's loss set to run ``module``'s ``method`` (installed once); whether the module defines it."""
+        runner = self._runner()
+        if not isinstance(runner.loss, StepLoss) or runner.loss.module is not module:
+            spec = runner.spec
+            runner.use_loss(
+                StepLoss(module, runner.root, spec, lambda b: pipeline_batch(module, b, spec=spec), self.user_step)
+            )
+        own = is_overridden(method, module, parent=LightningModule)
+        runner.loss.begin(method, args, training, own=own)  # type: ignore[attr-defined]
+        return own
+
+    def _log(self, module: LightningModule, name: str, loss: Tensor) -> None:
+        """What the step logged (averaged over micro-batches and replicas); the loss under ``name`` unless
+        logged. Each name keeps the options it was first logged with (Lightning wants one set per name,
+        and the loss's name may be logged by the strategy on some steps and by the step on others)."""
+        metrics = self._runner().metrics
+        for key, (value, options) in metrics.items():
+            kept = self._options.setdefault(key, options)
+            module.log(key, torch.tensor(value, dtype=torch.float64, device=loss.device), **kept)
+        if name not in metrics:
+            # Already the mean over replicas on every rank (the pipeline's one collective): no sync_dist.
+            module.log(name, loss, **self._options.setdefault(name, {"prog_bar": True}))
 
     def _runner(self) -> PipelineRunner:
         if self.runner is None:
@@ -59,7 +100,15 @@ class PipelineSteps:
         dtype = next((p.dtype for p in self._runner().root.parameters() if p.is_floating_point()), torch.float32)
         return loss.to(torch.promote_types(dtype, torch.float32))
 
-    def train(self, module: LightningModule, batch: Any, optimizer: Any, *, loss_scale: float = 1.0) -> Tensor:
+    def train(
+        self,
+        module: LightningModule,
+        batch: Any,
+        optimizer: Any,
+        *,
+        loss_scale: float = 1.0,
+        args: tuple[Any, ...] = (),
+    ) -> Tensor:
         """Forward and backward of every micro-batch of ``batch``; logs and returns the step's loss.
 
         The schedule runs here, not in ``backward``, so that ``training_step`` returns the real loss
@@ -69,9 +118,13 @@ class PipelineSteps:
         ones are taken off the parameters until :meth:`put_back_grads`.
         """
         runner, trainer = self._runner(), module.trainer
-        inputs, target, kwargs = self._split(module, batch)
+        inputs, _, kwargs = self._split(module, batch)
         self.stashed = []
-        if skips_backward(trainer):  # e.g. StochasticWeightAveraging's extra epoch: forward only
+        forward_only = skips_backward(trainer)  # e.g. StochasticWeightAveraging's extra epoch
+        self._step_loss(module, "training_step", args, training=not forward_only)
+        # The loss gets the whole batch (split into micro-batches): the module's step runs on each.
+        target = batch
+        if forward_only:
             loss = runner.eval_step(inputs, target, kwargs)
         else:
             accumulate = trainer.accumulate_grad_batches
@@ -87,8 +140,7 @@ class PipelineSteps:
                 self.stashed = [(p, p.grad) for p in params]
                 for p in params:
                     p.grad = None
-        # Already the mean over replicas on every rank (the pipeline's one collective): no sync_dist.
-        module.log(self.loss_names["train"], loss, prog_bar=True)
+        self._log(module, self.loss_names["train"], loss)
         return self._returned(loss)
 
     def put_back_grads(self) -> None:
@@ -97,12 +149,12 @@ class PipelineSteps:
             param.grad = grad
         self.stashed = []
 
-    def evaluate(self, module: LightningModule, batch: Any, stage: str) -> Tensor:
+    def evaluate(self, module: LightningModule, batch: Any, stage: str, args: tuple[Any, ...] = ()) -> Tensor:
         """Forward of every micro-batch of ``batch`` (``stage``: ``"val"`` or ``"test"``); logs and returns its loss."""
-        inputs, target, kwargs = self._split(module, batch)
-        loss = self._runner().eval_step(inputs, target, kwargs)
-        # Already the mean over replicas, on every rank (the pipeline's one collective).
-        module.log(self.loss_names[stage], loss, prog_bar=True)
+        inputs, _, kwargs = self._split(module, batch)
+        self._step_loss(module, f"{'validation' if stage == 'val' else 'test'}_step", args, training=False)
+        loss = self._runner().eval_step(inputs, batch, kwargs)
+        self._log(module, self.loss_names[stage], loss)
         return self._returned(loss)
 
     def predict(

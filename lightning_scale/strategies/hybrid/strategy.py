@@ -50,6 +50,7 @@ from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
 from lightning_scale.strategies.hybrid.parallelize import count_model_facts, parallelize
 from lightning_scale.strategies.hybrid.pipeline_hooks import check_pipeline_module, timing_batch
+from lightning_scale.strategies.hybrid.pipeline_loss import Refused
 from lightning_scale.strategies.hybrid.pipeline_steps import PipelineSteps
 from lightning_scale.strategies.hybrid.planning import AutoLayout
 from lightning_scale.strategies.hybrid.resilience import Resilience
@@ -106,7 +107,8 @@ class HybridParallelStrategy(ParallelStrategy):
             or ``"selective"`` (every ``activation_checkpointing_every``-th block).
         activation_checkpointing_every: Which blocks ``"selective"`` activation checkpointing wraps: every
             k-th of each pipeline rank's.
-        compile: ``torch.compile`` each block.
+        compile: ``torch.compile`` each block (regional compilation): ``True``, ``False``, or ``"auto"`` (the
+            default): on where the root device is CUDA, off on the CPU.
         gradient_compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``: DDP communication hooks,
             for ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism.
         powersgd_rank: The rank of PowerSGD's low-rank gradients.
@@ -168,7 +170,7 @@ class HybridParallelStrategy(ParallelStrategy):
         loss_parallel: bool = True,
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
-        compile: bool = False,
+        compile: bool | Literal["auto"] = "auto",
         gradient_compression: str = "none",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 10,
@@ -448,7 +450,9 @@ class HybridParallelStrategy(ParallelStrategy):
         plugin, batch = self.precision_plugin, args[0] if args else kwargs["batch"]
         with plugin.train_step_context(), self._loss_context():
             optimizer = self.optimizers[0] if self.optimizers else None
-            return self._steps.train(self.lightning_module, batch, optimizer, loss_scale=plugin.loss_scale)
+            return self._steps.train(
+                self.lightning_module, batch, optimizer, loss_scale=plugin.loss_scale, args=tuple(args[1:])
+            )
 
     @override
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -484,7 +488,7 @@ class HybridParallelStrategy(ParallelStrategy):
         """The pipeline's forward-only step under the precision plugin's ``context``, else the module's own."""
         if self.pipeline is not None:
             with context(), self._loss_context():
-                return self._steps.evaluate(self.lightning_module, args[0], stage)
+                return self._steps.evaluate(self.lightning_module, args[0], stage, tuple(args[1:]))
         with self._loss_context():
             return module_step(*args, **kwargs)
 
@@ -502,17 +506,30 @@ class HybridParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives, over the world
 
+    # Inside the module's own step on a pipeline's last stage (only that stage's ranks run it) they do not
+    # communicate: reduce returns its input (what the step logs is averaged over replicas afterwards).
+
     @override
     def barrier(self, name: str | None = None) -> None:
-        collectives.barrier(self.root_device if self.parallel_devices is not None else None)
+        if not self._steps.in_user_step:
+            collectives.barrier(self.root_device if self.parallel_devices is not None else None)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
+        return obj if self._steps.in_user_step else collectives.broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return collectives.reduce(tensor, group, reduce_op)
+        return tensor if self._steps.in_user_step else collectives.reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._steps.in_user_step:
+            raise Refused(
+                "the step calls all_gather, which only the pipeline's last stage would enter; gather what you need "
+                "in a hook that every rank runs (e.g. on_train_batch_end)."
+            )
+        return super().all_gather(tensor, group, sync_grads)
 
     # ------------------------------------------------------------------ checkpoints: each rank its part
 
