@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -122,9 +123,11 @@ def main() -> int:
         traceback.print_exc()
         status = 1
     if threads_left():
+        python_threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
         print(
             f"lightning-scale-train: {len(threads_left())} process-group thread(s) still ran at exit "
-            f"({', '.join(sorted(set(threads_left())))}); ending without interpreter finalisation",
+            f"({', '.join(sorted(set(threads_left())))}; Python threads alive: {python_threads or 'none'}); "
+            "ending without interpreter finalisation",
             file=sys.stderr,
             flush=True,
         )

@@ -18,6 +18,7 @@ import functools
 import gc
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -27,6 +28,9 @@ __all__ = ["COMMUNICATION_THREADS", "communication_threads", "end_at_exit", "end
 
 COMMUNICATION_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_nccl_watchdg", "pt_nccl_heartbt")
 """Name prefixes (Linux thread names, 15 characters at most) of the C++ threads a process group runs."""
+
+_GRACE_S = 3.0
+"""How long :func:`end_process_groups` waits for groups released just after it destroyed them."""
 
 
 def communication_threads() -> list[str]:
@@ -70,7 +74,15 @@ def end_process_groups(*, barrier: bool) -> list[str]:
                 if registry is not None:
                     registry.clear()
         gc.collect()
-    return communication_threads()
+    # A group whose last reference goes a moment later (a background thread finishing an async
+    # checkpoint's collective, a Work being released) joins its threads then: wait for that, briefly.
+    deadline = time.monotonic() + _GRACE_S
+    left = communication_threads()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+        left = communication_threads()
+    return left
 
 
 @functools.cache
