@@ -124,7 +124,7 @@ class _Call:
                 "Compute every term from one call's output."
             )
         labels = kwargs.get("labels")
-        passed = [t for t in tensors_of((list(args), {k: v for k, v in kwargs.items() if k != "labels"}))]
+        passed = tensors_of((list(args), {k: v for k, v in kwargs.items() if k != "labels"}))
         same = len(passed) == len(self.expected) and all(
             p.shape == e.shape and torch.equal(p, e) for p, e in zip(passed, self.expected, strict=True)
         )
