@@ -251,14 +251,24 @@ def set_initial_hparam(module: Any, key: str, value: Any) -> None:
 # ---------------------------------------------------------------- Strategy and Precision
 
 
-def use_subprocess_launcher(strategy: Any) -> None:
+def use_subprocess_launcher(strategy: Any, before_launch: Callable[[Any], None] | None = None) -> None:
     """Launch the strategy's processes as Lightning's DDP does (re-running the script per local rank): the
     private ``_SubprocessScriptLauncher`` stored in the private ``Strategy._launcher``, from an override of
-    the private hook ``Strategy._configure_launcher``. No public alternative (Lightning's launchers and the
-    hook are private)."""
+    the private hook ``Strategy._configure_launcher``. ``before_launch(trainer)`` runs in the launching
+    process before any child starts (the trainer's module is set by then). No public alternative
+    (Lightning's launchers and the hook are private)."""
     launcher = _private(
         "lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "use_subprocess_launcher"
     )
+    if before_launch is not None:
+        check = before_launch
+
+        class _CheckedLauncher(launcher):  # type: ignore[misc, valid-type]
+            def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+                check(trainer)
+                return super().launch(function, *args, trainer=trainer, **kwargs)
+
+        launcher = _CheckedLauncher
     strategy._launcher = launcher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
 

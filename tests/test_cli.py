@@ -313,6 +313,15 @@ def _cfg(*overrides: str, run_dir: str | Path = "unused"):
             ["strategy=hybrid", "strategy.data_parallel=2", "strategy.tensor_parallel=2"],
             r"data_parallel=2 x pipeline_parallel=1 x tensor_parallel=2 = 4 processes, but this run has 2",
         ),
+        (
+            ["strategy=hybrid", "strategy.data_parallel_sync={mode: streaming_diloco, every: 16, fragments: 9}"],
+            r"streaming_diloco\(fragments=9\) needs at least one block per fragment but the model has n_layers=\d+ "
+            r"blocks. Use fragments<=\d+",
+        ),
+        (
+            ["strategy=hybrid", "strategy.data_parallel_sync=diloco", "strategy.sync_every=0"],
+            r"sync_every=0 must be a positive integer",
+        ),
     ],
 )
 def test_bad_input_is_a_value_error_before_any_process_starts(overrides: list[str], match: str) -> None:

@@ -295,6 +295,34 @@ def test_bad_values_are_refused_when_the_strategy_is_built(kwargs: dict[str, Any
         HybridParallelStrategy(**kwargs)
 
 
+def test_more_fragments_than_blocks_are_refused_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    def started(*_: Any) -> None:
+        raise AssertionError("a child process was started before the refusal")
+
+    monkeypatch.setattr(subprocess_script._SubprocessScriptLauncher, "_call_children_scripts", started)
+    monkeypatch.setattr(torch.distributed, "init_process_group", started)
+    strategy = HybridParallelStrategy(data_parallel_sync=streaming_diloco(every=8, fragments=5))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    with pytest.raises(
+        ValueError, match=r"streaming_diloco\(fragments=5\).*SGDStack has 4 blocks\. Use fragments <= 4"
+    ):
+        trainer.fit(SGDStack(), train_dataloaders=_loader())
+    # a model that declares no blocks: refused as early, with the hook to define
+    trainer = quiet_trainer(
+        devices=2,
+        strategy=HybridParallelStrategy(data_parallel_sync=streaming_diloco(every=8, fragments=2)),
+        max_steps=2,
+    )
+    with pytest.raises(ValueError, match=r"declares none: define `pipeline_spec\(self\)`"):
+        trainer.fit(_Blockless(), train_dataloaders=_loader())
+
+
+class _Blockless(SGDStack):
+    pipeline_spec = None
+
+
 def test_the_forms_a_config_gives_read_as_one_spec() -> None:
     assert sync_spec("diloco", 50) == diloco(every=50)
     assert sync_spec({"mode": "local_sgd", "every": 8}) == local_sgd(every=8)

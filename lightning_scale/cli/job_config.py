@@ -183,6 +183,12 @@ def _check_gpt_layout(config: GPTConfig, strategy: Any) -> None:
                 f"tensor_parallel={tp} does not divide the model's n_heads={config.n_heads} (n_kv_heads={kv}): each "
                 f"tensor-parallel rank needs whole heads. Use tensor_parallel in {divisors(kv)}."
             )
+    fragments = _sync_fragments(strategy)
+    if fragments > config.n_layers:
+        raise LayoutNotAdmitted(
+            f"strategy.data_parallel_sync=streaming_diloco(fragments={fragments}) needs at least one block per "
+            f"fragment but the model has n_layers={config.n_layers} blocks. Use fragments<={config.n_layers}."
+        )
     if isinstance(pp, int) and pp > 1:
         stages = pp * stages_per_rank(str(strategy.get("schedule", "1f1b")), int(strategy.get("virtual_stages", 2)))
         if stages > config.n_layers:
@@ -190,6 +196,16 @@ def _check_gpt_layout(config: GPTConfig, strategy: Any) -> None:
                 f"pipeline_parallel={pp} needs {stages} pipeline stages but the model has n_layers={config.n_layers} "
                 f"blocks. Use pipeline_parallel<={config.n_layers} or a deeper model."
             )
+
+
+def _sync_fragments(strategy: Any) -> int:
+    """The fragments a streaming DiLoCo of the strategy config splits the blocks into (1 for other modes)."""
+    from lightning_scale.core.parallel.sync_spec import sync_spec
+
+    value = strategy.get("data_parallel_sync", "every_step")
+    if not isinstance(value, DictConfig):
+        return 1  # a mode name: one fragment (the strategy checks the rest when it is built)
+    return sync_spec(OmegaConf.to_container(value, resolve=True), strategy.get("sync_every")).fragments
 
 
 def check_fits(cfg: DictConfig) -> None:

@@ -37,7 +37,7 @@ from lightning_scale.core.parallel.sync_spec import SyncSpec
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.strategies.hybrid.pipeline_hooks import PIPELINE_SPEC_HOOK, pipeline_spec_of
 
-__all__ = ["DataParallelSync", "fragments_of"]
+__all__ = ["DataParallelSync", "check_fragments", "fragments_of"]
 
 _PREFIX = "sync"
 
@@ -57,15 +57,10 @@ def _block_prefixes(module: nn.Module, runner: PipelineRunner | None) -> list[st
     return [f"{root_name}.{b}." if root_name else f"{b}." for b in spec.blocks]
 
 
-def fragments_of(
-    module: nn.Module, fragments: int, runner: PipelineRunner | None, tied: Sequence[Sequence[str]] = ()
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """This rank's ``(name, parameter)`` pairs in each of ``fragments`` contiguous fragments of the
-    model's blocks; parameters outside the blocks (embeddings, final norm, head) go with fragment 0, a
-    weight tied across pipeline stages with its first name's fragment (every copy synchronised at once)."""
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if fragments == 1:
-        return [params]
+def check_fragments(module: nn.Module, fragments: int, runner: PipelineRunner | None = None) -> list[str]:
+    """The model's block prefixes (see :func:`fragments_of`), after checking that ``fragments`` of them can be
+    formed: ``ValueError`` when the model declares no blocks or has fewer than ``fragments``. The strategy
+    runs it on the LightningModule before its launcher starts any process."""
     prefixes = _block_prefixes(module, runner)
     if prefixes is None:
         raise ValueError(
@@ -78,6 +73,19 @@ def fragments_of(
             f"streaming_diloco(fragments={fragments}) needs at least one block per fragment; "
             f"{type(module).__name__} has {len(prefixes)} blocks. Use fragments <= {len(prefixes)}."
         )
+    return prefixes
+
+
+def fragments_of(
+    module: nn.Module, fragments: int, runner: PipelineRunner | None, tied: Sequence[Sequence[str]] = ()
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """This rank's ``(name, parameter)`` pairs in each of ``fragments`` contiguous fragments of the
+    model's blocks; parameters outside the blocks (embeddings, final norm, head) go with fragment 0, a
+    weight tied across pipeline stages with its first name's fragment (every copy synchronised at once)."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if fragments == 1:
+        return [params]
+    prefixes = check_fragments(module, fragments, runner)
 
     def fragment(name: str) -> int:
         for b, prefix in enumerate(prefixes):

@@ -44,7 +44,7 @@ from lightning_scale.strategies.hybrid.checkpoints import (
 from lightning_scale.strategies.hybrid.checkpoints import (
     unwrapped_optimizer as _unwrapped,
 )
-from lightning_scale.strategies.hybrid.data_sync import DataParallelSync
+from lightning_scale.strategies.hybrid.data_sync import DataParallelSync, check_fragments
 from lightning_scale.strategies.hybrid.deferred import DeferredBuilder
 from lightning_scale.strategies.hybrid.mesh import LayoutMesh
 from lightning_scale.strategies.hybrid.options import PRESETS, ParallelOptions
@@ -293,7 +293,14 @@ class HybridParallelStrategy(ParallelStrategy):
         self._thread_choice = ThreadChoice.now()
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            lc.use_subprocess_launcher(self)
+            lc.use_subprocess_launcher(self, self._before_launch)
+
+    def _before_launch(self, trainer: Trainer | None) -> None:
+        """In the launching process, before any other starts: what the module itself decides (the blocks a
+        streaming DiLoCo splits into fragments). Processes a launcher like torchrun created check it at set-up."""
+        module = trainer.lightning_module if trainer is not None else self._lightning_module
+        if module is not None and self.options.sync.fragments > 1:
+            check_fragments(module, self.options.sync.fragments)
 
     # ------------------------------------------------------------------ set-up
 
