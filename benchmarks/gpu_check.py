@@ -26,7 +26,10 @@ corpus with the package's callbacks and reports, over the steps after the warm-u
   elementwise terms beside ``step_time``'s measured spans say which rate is off).
 
 The summary keys (issue 41): ``device``, ``driver``, ``torch``, ``mfu_350m``, ``mfu_1.3b`` (the compiled runs',
-else the eager ones'), ``mfu_1.3b_fp8`` (null: ``precision="fp8"`` is not built), ``async_block_ratio``
+else the eager ones'), ``mfu_1.3b_fp8`` (the largest preset again with ``HybridParallelStrategy(float8="rowwise")``:
+torchao float8 linears, compiled, where the GPU has float8 matmuls, compute capability >= 8.9; its MFU against the
+bf16 peak like the others', and ``fp8_tokens_per_sec_ratio`` over the bf16 run; null elsewhere, with the reason in
+``fp8_skipped``; ``--smoke`` runs it emulated on the CPU, eager), ``async_block_ratio``
 (async blocking over the sync save, the largest preset's), ``planner_step_error`` and ``planner_memory_error``
 (that preset's last run: predicted / measured - 1). ``runs`` holds every run with its full planner record and
 ``status``, which is what ``lightning-scale-plan calibrate benchmarks/results/gpu_check-....json`` reads (each
@@ -155,19 +158,20 @@ def _driver() -> str | None:
         return None
 
 
-def _run(preset: str, mode: str, primary: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """One fit of ``preset`` (``mode``: eager or compiled); the ``primary`` run of a preset also measures the
-    checkpoint saves and is the one ``lightning-scale-plan calibrate`` fits to (``calibrate``)."""
+def _run(preset: str, mode: str, primary: bool, args: argparse.Namespace, float8: str | None = None) -> dict[str, Any]:
+    """One fit of ``preset`` (``mode``: eager or compiled; ``float8``: torchao's recipe for the blocks' linears);
+    the ``primary`` run of a preset also measures the checkpoint saves; it and a float8 run (whose planner record
+    says float8) are the ones ``lightning-scale-plan calibrate`` fits to (``calibrate``)."""
     seed_everything(0, verbose=False)
     batch, seq = _BATCH.get(preset, (8, PRESETS[preset].block_size))
     ckpt_dir = Path(tempfile.mkdtemp(prefix=f"gpu-check-{preset}-"))
-    record = _Record(args.warmup, ckpt_dir, primary)
+    record = _Record(args.warmup, ckpt_dir, primary and float8 is None)
     io = ShardedCheckpointIO(preemption=False, auto_resume=False)
     log_every = args.warmup  # logging steps at the warm-up's end and after; the last at max_steps
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=1,
-        strategy=HybridParallelStrategy(checkpoint_io=io, compile=mode == "compiled"),
+        strategy=HybridParallelStrategy(checkpoint_io=io, compile=mode == "compiled", float8=float8),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -204,9 +208,11 @@ def _run(preset: str, mode: str, primary: bool, args: argparse.Namespace) -> dic
     return {
         "preset": preset,
         "compile": mode,
+        "float8": float8,
         "status": "completed" if m else "failed",
-        # The planner's record does not say whether blocks were compiled: calibrate from one mode, the primary.
-        "calibrate": primary,
+        # The planner's record does not say whether blocks were compiled: calibrate from one mode, the primary
+        # (and the float8 run, in that mode on a GPU, whose record says float8: it fits the float8 speed-up).
+        "calibrate": primary or float8 is not None,
         "batch": batch,
         "seq": seq,
         "tokens_per_sec": m.get("train/tokens_per_sec"),
@@ -246,14 +252,23 @@ def _run(preset: str, mode: str, primary: bool, args: argparse.Namespace) -> dic
     }
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(runs: list[dict[str, Any]], fp8_skipped: str | None = None) -> dict[str, Any]:
     """Issue 41's keys from the runs: each preset's MFU (compiled, else eager), the largest preset's async
-    save ratio and planner errors (its last run: the compiled one when both ran)."""
+    save ratio and planner errors (its last run: the compiled one when both ran); the float8 run's MFU
+    (against the bf16 peak, as the bf16 runs': comparable) and tokens/s over its preset's primary run's
+    (``fp8_tokens_per_sec_ratio``), or why there is none (``fp8_skipped``)."""
+    fp8 = [r for r in runs if r.get("float8")]
+    runs = [r for r in runs if not r.get("float8")]
     primary: dict[str, dict[str, Any]] = {}
     for run in runs:  # eager first, then compiled: the last run of a preset is its primary one
         primary[run["preset"]] = run
     out: dict[str, Any] = {f"mfu_{p}": primary[p]["mfu"] if p in primary else None for p in ("350m", "1.3b")}
-    out["mfu_1.3b_fp8"] = None  # precision="fp8" (torchao float8 linears) is not built yet
+    out["mfu_1.3b_fp8"] = None
+    out["fp8_skipped"] = fp8_skipped
+    for run in fp8:
+        out[f"mfu_{run['preset']}_fp8"] = run["mfu"]
+        base = primary.get(run["preset"], {}).get("tokens_per_sec")
+        out["fp8_tokens_per_sec_ratio"] = run["tokens_per_sec"] / base if base and run["tokens_per_sec"] else None
     for run in runs:
         out[f"mfu_{run['preset']}_{run['compile']}"] = run["mfu"]
     eager = {r["preset"]: r for r in runs if r["compile"] == "eager"}
@@ -266,6 +281,24 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["planner_step_error"] = last["planner"]["step_time_error"]
     out["planner_memory_error"] = last["planner"]["memory_error"]
     return out
+
+
+def _fp8_skipped(args: argparse.Namespace) -> str | None:
+    """Why no float8 run (None: one runs): off by request, a GPU without float8 matmuls, no torchao."""
+    import importlib.util
+
+    from lightning_scale.strategies.hybrid.float8 import FLOAT8_MIN_CAPABILITY
+
+    if args.fp8 == "off":
+        return "--fp8 off"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'lightning-scale[fp8]')"
+    if args.accelerator == "gpu" and torch.cuda.get_device_capability() < FLOAT8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no float8 matmuls (>= 8.9)"
+    if args.accelerator == "cpu" and not args.smoke and args.fp8 == "auto":
+        return "float8 is emulated on the CPU (--smoke runs it to check the path; no speed to measure)"
+    return None
 
 
 def _slug(text: str) -> str:
@@ -286,6 +319,13 @@ def main() -> int:
         default="gpu",
         choices=("gpu", "cpu"),
         help="cpu: the same path on the CPU (with --presets tiny), to check the script itself",
+    )
+    parser.add_argument(
+        "--fp8",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="also train the largest preset with float8 linears (torchao rowwise): auto where the GPU has float8 "
+        "matmuls (compute capability >= 8.9), and under --smoke (emulated on the CPU)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="the same code paths on the CPU, tiny preset, eager and compiled (< 30 s)"
@@ -323,6 +363,10 @@ def main() -> int:
             runs.append(_run(preset, mode, mode == modes[-1], args))
             if args.accelerator == "gpu":
                 torch.cuda.empty_cache()
+    fp8_skipped = _fp8_skipped(args)
+    if fp8_skipped is None:  # the largest preset again, its linears in float8 (emulated, eager, on the CPU)
+        mode = _MODES[args.compile][-1] if args.accelerator == "gpu" else "eager"
+        runs.append(_run(args.presets[-1], mode, False, args, float8="rowwise"))
     report: dict[str, Any] = {
         "device": device,
         "driver": _driver() if args.accelerator == "gpu" else None,
@@ -332,9 +376,9 @@ def main() -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "precision": "bf16-mixed",
-        **summary(runs),
+        **summary(runs, fp8_skipped),
         # Each preset's last run (compiled when both ran), as the script reported it before issue 41.
-        "presets": {r["preset"]: r for r in runs},
+        "presets": {r["preset"]: r for r in runs if not r["float8"]},
         "runs": runs,
     }
     report["wall_s"] = time.perf_counter() - start

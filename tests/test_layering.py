@@ -272,6 +272,22 @@ CLI_MAY_IMPORT = {
     "plan_sizing": set(),
     "plan_calibrate": set(),
     "plan": {"plan_sizing", "plan_calibrate"},
+    "study_state": {"results"},
+    "study_report": {"results", "study_state"},
+    "study_layouts": {"job_config", "plan_calibrate"},
+    "study": {
+        "environment",
+        "job_config",
+        "plan_calibrate",
+        "resolvers",
+        "results",
+        "resume",
+        "run",
+        "study_layouts",
+        "study_report",
+        "study_state",
+        "sweep_launch",
+    },
 }
 """What each module of ``cli`` may import from the rest of it: ``lightning-scale-train``'s one-way chain
 environment <- job_config <- results <- run <- sweep <- train (the docstring of ``lightning_scale/cli/__init__.py``

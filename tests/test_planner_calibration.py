@@ -107,6 +107,19 @@ def _observations(truth: Efficiency) -> list[Observation]:
     ]
 
 
+def test_a_fit_keeps_each_factor_within_its_physical_range() -> None:
+    # Step times only "explained" by collectives faster than the measured link: the fit stops at the floor
+    # (framework_collectives >= 1) rather than at 0.2, where it would predict tensor parallelism 3x too fast.
+    truth = dataclasses.replace(CPU_EFFICIENCY, framework_collectives=0.2)
+    observations = _observations(truth)
+    fitted = fit_efficiency(observations, CPU, fit=("framework_collectives",))
+    assert fitted.framework_collectives == pytest.approx(1.0)
+    truth = dataclasses.replace(CPU_EFFICIENCY, framework_collectives=1.6)  # inside the range: recovered
+    assert fit_efficiency(_observations(truth), CPU, fit=("framework_collectives",)).framework_collectives == (
+        pytest.approx(1.6, rel=0.01)
+    )
+
+
 def test_calibration_recovers_the_factors_that_made_the_step_times() -> None:
     truth = dataclasses.replace(CPU_EFFICIENCY, compute=0.31, overhead=2.2e-3, framework_collectives=3.4)
     observations = _observations(truth)

@@ -1,4 +1,4 @@
-"""The command-line apps: ``lightning-scale-train`` (``train``), ``-prepare``, ``-ckpt``, ``-report`` and ``-plan``.
+"""The command-line apps: ``lightning-scale-train`` (``train``), ``-prepare``, ``-ckpt``, ``-report``, ``-plan`` and ``-study``.
 
 ``lightning-scale-train`` is one chain of modules, each importing only those before it (never back;
 ``tests/test_layering.py`` enforces the direction, and that no import cycle exists anywhere):
@@ -22,6 +22,9 @@
 The other apps stand apart: ``report`` (reads a study through ``results``, plots with ``report_plots``),
 ``ckpt`` and ``prepare`` import no other ``cli`` module, ``plan`` (the planner's Hydra app) only
 ``plan_sizing`` (compute-optimal sizing for a budget) and ``plan_calibrate`` (``lightning-scale-plan calibrate``).
+``study`` (``lightning-scale-study``: a study that proposes, calibrates and prunes its own jobs) runs its trials
+as a sweep runs its jobs (``run``, ``sweep_launch``), with ``study_state`` (options, pruners, ``study.json``),
+``study_layouts`` (the planner's candidates and their calibrated predictions) and ``study_report`` (its end).
 
 0.1.0's ``lightning_scale.cli.launch`` (split into ``environment`` and ``resolvers``) still imports, with a
 ``DeprecationWarning``, until 0.3.0.

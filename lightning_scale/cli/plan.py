@@ -135,16 +135,21 @@ def table(ranked: Sequence[Estimate], top: int) -> str:
     planned_only = False
     for i, e in enumerate(ranked[:top]):
         hours = "-" if e.hours_to_budget is None else f"{e.hours_to_budget:,.1f}"
-        name = e.name if e.candidate.trainable else e.name + " *"
-        planned_only |= not e.candidate.trainable
+        name = e.name if e.candidate.cp == 1 else e.name + " *"
+        planned_only |= e.candidate.cp > 1
         lines.append(
             f"{i + 1:>3}  {name:52s} {'yes' if e.fits else 'NO':4s} {e.memory.total / GiB:8.2f} {e.time.step_time:8.3f} "
             f"{e.tokens_per_sec:11,.0f} {e.mfu:6.1%} {_money(e.usd_per_million_tokens):>9s} {hours:>8s} {_money(e.usd_to_budget):>12s}"
         )
     if planned_only:
         lines.append(
-            "  * planned only: context parallelism (cp) and float8 linears (fp8) are not trained by "
-            "HybridParallelStrategy yet; strategy=auto never chooses them"
+            "  * planned only: context parallelism (cp) is not trained by HybridParallelStrategy yet; strategy=auto "
+            "never chooses it"
+        )
+    if any(e.candidate.float8 for e in ranked[:top]):
+        lines.append(
+            "  fp8: float8 linears, which HybridParallelStrategy trains with strategy.float8=rowwise (precision=fp8); "
+            "strategy=auto never chooses them"
         )
     return "\n".join(lines)
 
@@ -175,8 +180,9 @@ def explain(estimate: Estimate) -> str:
         f"x pp={c.pp} ({c.schedule}, {c.stages_per_rank} stage(s) per rank), micro-batch {c.micro_batch}, "
         f"activation checkpointing {c.checkpointing}"
         + (f", context parallel {c.cp}" if c.cp > 1 else "")
-        + (", float8 linears" if c.float8 else "")
-        + ("" if c.trainable else " (planned only: the strategy cannot train it yet)")
+        + (", float8 linears (strategy.float8=rowwise)" if c.float8 else "")
+        + (f", activations of {c.offload_blocks} block(s) per rank offloaded" if c.offload_blocks else "")
+        + ("" if c.cp == 1 else " (planned only: the strategy cannot train context parallelism yet)")
     ]
     lines.append(
         f"memory per device: {estimate.memory.total / GiB:.3f} GiB at the {estimate.memory.rank} pipeline rank "

@@ -6,7 +6,8 @@ under a directory), that completed, measured its throughput and carries the plan
 (``planner.inputs``: every run of ``HybridParallelStrategy`` through ``lightning-scale-train``) is one
 observation. Per system (device and links), :func:`~lightning_scale.core.planner.calibration.fit_efficiency`
 fits the factors (``--fit``; default compute, overhead and intra_link, or on a CPU host compute, overhead
-and framework_collectives) and stores them
+and framework_collectives; with ``float8_gemm`` too when a run trained float8 linears, gpu_check's fp8 run, so
+plans take the measured float8 speed-up) and stores them
 (``--store``, default ``$LIGHTNING_SCALE_CALIBRATION`` or ``~/.cache/lightning_scale/calibration.json``);
 later plans on that system (``lightning-scale-plan``, ``strategy=auto``) use them and print their source.
 Each run's measured step time is printed with the prediction before and after.
@@ -79,7 +80,11 @@ def observations_in(dirs: Sequence[Path]) -> tuple[dict[str, tuple[Cluster, list
             named = [(str(path), path.parent.name, doc)]
         else:  # a gpu_check JSON: one observation per run
             named = [
-                (f"{path}#runs[{i}]", f"{r.get('preset', i)}-{r.get('compile', '')}", r)
+                (
+                    f"{path}#runs[{i}]",
+                    f"{r.get('preset', i)}-{r.get('compile', '')}{'-fp8' if r.get('float8') else ''}",
+                    r,
+                )
                 if isinstance(r, dict)
                 else (f"{path}#runs[{i}]", str(i), r)
                 for i, r in enumerate(runs)
@@ -124,7 +129,7 @@ def calibrate(dirs: Sequence[Path], *, fit: Sequence[str] | None = None, store: 
         )
     lines = [f"left out: {s}" for s in skipped]
     for key, (system, observations) in groups.items():
-        factors = default_fit(system) if fit is None else tuple(fit)
+        factors = default_fit(system, observations) if fit is None else tuple(fit)  # fp8 runs: float8_gemm too
         fitted = fit_efficiency(observations, system, fit=factors)
         path = save_calibration(system, fitted, observations, store)
         lines.append(f"{key}: {len(observations)} run(s); {fitted.source}; stored in {path}")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,8 +50,19 @@ def tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
-def torchrun(cfg: DictConfig, config_file: Path, log: Path, label: str = "job") -> int:
-    """Run one job's ranks under ``torchrun`` (its log: ``log``) and return its exit status."""
+def torchrun(
+    cfg: DictConfig,
+    config_file: Path,
+    log: Path,
+    label: str = "job",
+    *,
+    watch: Callable[[], bool] | None = None,
+    poll_s: float | None = None,
+) -> int:
+    """Run one job's ranks under ``torchrun`` (its log: ``log``) and return its exit status. ``watch`` is
+    called every ``poll_s`` seconds (default ``sweep.progress_every_s``) while the job runs, instead of the
+    progress line: when it returns True the job is sent SIGTERM once (it commits a checkpoint at the step it
+    stops at and exits with status 143)."""
     trainer = cfg.trainer
     nproc = devices_per_node(cfg)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -72,7 +85,7 @@ def torchrun(cfg: DictConfig, config_file: Path, log: Path, label: str = "job") 
     env[JOB_ID_ENV] = job_id  # every process of the job inherits it: what the reaper looks for
     reaper = _start_reaper(job_id)
     try:
-        return _run_agent(cfg, command, env, log, label, sweep_pid)
+        return _run_agent(cfg, command, env, log, label, sweep_pid, watch=watch, poll_s=poll_s)
     finally:
         _stop_reaper(reaper)
 
@@ -122,7 +135,17 @@ def _stop_reaper(reaper: subprocess.Popen[bytes] | None) -> None:
             reaper.kill()
 
 
-def _run_agent(cfg: DictConfig, command: list[str], env: dict[str, str], log: Path, label: str, sweep_pid: int) -> int:
+def _run_agent(
+    cfg: DictConfig,
+    command: list[str],
+    env: dict[str, str],
+    log: Path,
+    label: str,
+    sweep_pid: int,
+    *,
+    watch: Callable[[], bool] | None = None,
+    poll_s: float | None = None,
+) -> int:
     with open(log, "a") as out:
         out.write(f"$ {' '.join(command)}\n")
         out.flush()
@@ -132,14 +155,18 @@ def _run_agent(cfg: DictConfig, command: list[str], env: dict[str, str], log: Pa
             command, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(sweep_pid, prctl)
         )
         progress = _Progress(log, label, int(cfg.trainer.get("max_steps", -1)))
+        every = poll_s or float(OmegaConf.select(cfg, "sweep.progress_every_s", default=PROGRESS_EVERY_S))
+        stopping = False
         try:
             while True:
                 try:
-                    return proc.wait(
-                        timeout=float(OmegaConf.select(cfg, "sweep.progress_every_s", default=PROGRESS_EVERY_S))
-                    )
+                    return proc.wait(timeout=every)
                 except subprocess.TimeoutExpired:
-                    progress.report()
+                    if watch is None:
+                        progress.report()
+                    elif not stopping and watch():
+                        stopping = True
+                        proc.send_signal(signal.SIGTERM)  # torchrun passes it to every rank
         except BaseException:
             proc.kill()  # KeyboardInterrupt and the like: the job's processes go with the sweep
             proc.wait()

@@ -63,10 +63,13 @@ and what its tensor-parallel and FSDP collectives cost beyond the link (``framew
 copies run on the cores the processes share) is what varies from host to host."""
 
 
-def default_fit(cluster: Cluster) -> tuple[str, ...]:
+def default_fit(cluster: Cluster, observations: Sequence[Observation] = ()) -> tuple[str, ...]:
     """The factors calibration fits on ``cluster``'s system unless told: :data:`CPU_FITTED` on a CPU host,
-    else :data:`FITTED`."""
-    return CPU_FITTED if cluster.device.chip == "cpu" else FITTED
+    else :data:`FITTED`; and ``float8_gemm`` when an observation trained float8 linears (``benchmarks/gpu_check.py``'s
+    fp8 run): the float8 speed-up measured beside bf16 runs replaces the default's (ml-engineering's
+    achievable-matmul table, :attr:`~lightning_scale.core.planner.cluster.Efficiency.float8_gemm`)."""
+    base = CPU_FITTED if cluster.device.chip == "cpu" else FITTED
+    return (*base, "float8_gemm") if any(o.candidate.float8 for o in observations) else base
 
 
 _GRIDS: dict[str, Sequence[float]] = {
@@ -81,6 +84,7 @@ _GRIDS: dict[str, Sequence[float]] = {
     "framework_collectives": [1.4**k for k in range(20)],  # 1 .. 600 times the link's time
     "memory": [0.05 * 1.4**k for k in range(12)],
     "matmul_half": [4.0 * 2**k for k in range(8)],
+    "float8_gemm": [0.3 * 1.15**k for k in range(12)],  # 0.3 .. 1.4 of the default's relative rate
 }
 
 
@@ -238,7 +242,7 @@ def fit_efficiency(
     or an unknown factor."""
     if not observations:
         raise ValueError("fit_efficiency needs at least one measured run; found none.")
-    fit = default_fit(cluster) if fit is None else tuple(fit)
+    fit = default_fit(cluster, observations) if fit is None else tuple(fit)
     unknown = sorted(set(fit) - set(_GRIDS))
     if unknown:
         raise ValueError(f"fit={unknown} are not factors calibration fits; valid: {sorted(_GRIDS)}.")
@@ -267,7 +271,12 @@ def _nelder_mead(
     stays positive; ``dp_overlap`` below 1)."""
 
     def at(point: Sequence[float]) -> Efficiency:
-        values = {f: math.exp(x) for f, x in zip(fit, point, strict=True)}
+        # Each factor within its grid's physical range (framework_collectives >= 1: a collective is never
+        # faster than the link it runs over, whose speed is measured); 0 stays reachable for additive terms.
+        values = {
+            f: min(max(math.exp(x), _GRIDS[f][0] if _GRIDS[f][0] > 0 else 0.0), _GRIDS[f][-1])
+            for f, x in zip(fit, point, strict=True)
+        }
         if "dp_overlap" in values:
             values["dp_overlap"] = min(values["dp_overlap"], 0.99)
         return replace(start, **values)

@@ -30,6 +30,7 @@ __all__ = [
     "CLUSTERS",
     "DEVICES",
     "HOPPER",
+    "HOST_LINK",
     "LINKS",
     "Cluster",
     "Device",
@@ -140,6 +141,15 @@ LINKS: dict[str, Link] = {
 }
 
 
+HOST_LINK = Link(
+    "pcie5-host",
+    55 * GB,
+    10e-6,
+    "PCIe Gen5 x16 between a GPU and pinned host memory: 64 GB/s per direction nominal, about 55 GB/s achieved "
+    "(an assumed default: H100/H200 SXM hosts; a PCIe 4 host reaches about 25 GB/s)",
+)
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """The achieved fractions of nominal rates, per system (device and interconnect)."""
@@ -177,6 +187,9 @@ class Efficiency:
     pipelining). Under sequence parallelism the activation is split anyway."""
     memory: float = 0.7
     """Fraction of the memory bandwidth elementwise kernels reach (the optimizer update, ``elementwise``)."""
+    offload_overlap: float = 0.0
+    """Share of activation offloading's host transfers hidden behind compute: 0, as torch's ``save_on_cpu``
+    copies on the compute stream (pinned and non-blocking for the host, but in turn with the kernels)."""
     float8_gemm: float = 0.88
     """A float8 GEMM's share of the float8 peak relative to ``compute``'s of the bf16 peak: ml-engineering's
     maximum achievable matmul FLOPS on H100 SXM, 1402.6 of 1979 TFLOP/s in float8 (0.709) against 794.5 of
@@ -240,6 +253,8 @@ class Cluster:
     """The node's ports on the ``inter`` link (a DGX: one NIC per GPU; Ethernet hosts: usually one)."""
     price: Price | None = None
     """The offer a plan prices with (None: the device's default offer in the price table)."""
+    host: Link = HOST_LINK
+    """Between a device and its host's (pinned) memory: activation offloading's copies."""
 
     def __post_init__(self) -> None:
         check_positive_int("devices_per_node", self.devices_per_node, fix="It is the devices of one node.")

@@ -88,12 +88,18 @@ class Candidate:
     """Context parallel: the ranks each sequence is split over (ring attention passes the keys and values
     around them); planned with the mesh ``(dp, cp, pp, tp)``. Planned only: the strategy cannot train it yet."""
     float8: bool = False
-    """The linear layers' matmuls in float8 (torchao, rowwise or tensorwise scaling; attention stays bf16).
-    Planned only: the strategy cannot train it yet."""
+    """The blocks' linear layers' matmuls in float8 (torchao, rowwise or tensorwise scaling; attention and the
+    head stay bf16): ``HybridParallelStrategy(float8="rowwise")`` trains it (``layout="auto"`` does not choose it)."""
+    offload_blocks: int = 0
+    """Blocks of each pipeline rank, counted from its first, whose saved activations are kept in host memory
+    (``HybridParallelStrategy(activation_offload=N)``); a checkpointed one among them saves only its input,
+    which stays on the device."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "checkpoint_every", "virtual_stages", "hsdp_shard", "cp"):
             check_positive_int(name, getattr(self, name))
+        if isinstance(self.offload_blocks, bool) or not isinstance(self.offload_blocks, int) or self.offload_blocks < 0:
+            raise ValueError(f"offload_blocks={self.offload_blocks!r} must be a number of blocks >= 0 (0: none).")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode={self.dp_mode!r}; valid: {format_choices(DP_MODES)}.")
         if self.checkpointing not in CHECKPOINTING:
@@ -107,7 +113,9 @@ class Candidate:
 
     @property
     def trainable(self) -> bool:
-        """Whether ``HybridParallelStrategy`` can train this layout (not a planned-only dimension)."""
+        """Whether the layout options alone (what ``layout="auto"`` and a study set) train this layout: not
+        context parallelism (planned only: the strategy cannot train it yet) nor float8 linears (the strategy
+        trains them, but through its own ``float8=`` option, which neither sets)."""
         return self.cp == 1 and not self.float8
 
     @property
@@ -125,6 +133,14 @@ class Candidate:
         if self.checkpointing == "full":
             return blocks
         return math.ceil(blocks / self.checkpoint_every) if self.checkpointing == "selective" else 0
+
+    def offloaded_blocks(self, blocks: int) -> int:
+        """How many of a rank's ``blocks`` offload their saved activations to the host: the first
+        ``offload_blocks`` of them, less the checkpointed ones (which save only their input, kept on the device)."""
+        first = min(self.offload_blocks, blocks)
+        if self.checkpointing == "full":
+            return 0
+        return first - (math.ceil(first / self.checkpoint_every) if self.checkpointing == "selective" else 0)
 
     def microbatches(self, workload: Workload) -> int:
         """Micro-batches per optimizer step on one replica (pipeline micro-batches, or gradient
@@ -162,4 +178,6 @@ class Candidate:
             parts.append("ac" if self.checkpointing == "full" else f"ac{self.checkpoint_every}")
         if self.float8:
             parts.append("fp8")
+        if self.offload_blocks:
+            parts.append(f"off{self.offload_blocks}")
         return "-".join(parts)

@@ -33,7 +33,9 @@ the pipeline rank asked for:
   them, so ``gradients`` is 0 here and nothing of them is freed between steps);
 - ``activations``: what one block saves for its backward per micro-batch (below), times the blocks
   of the rank, times the micro-batches the schedule keeps in flight on that rank; checkpointed blocks
-  save only their input;
+  save only their input; offloaded blocks (``Candidate.offload_blocks``: ``save_on_cpu``) none on the
+  device: their activations are in host memory, and each comes back in the backward once the blocks
+  after it freed theirs, so the reload adds nothing to the peak;
 - ``recompute``: a checkpointed block's activations rebuilt in the backward (with the gradient
   arriving at its output), beyond what the blocks after it and the loss freed by then;
 - ``logits``: the last stage's output and loss for a micro-batch (log-probabilities saved in fp32 and
@@ -72,12 +74,22 @@ Checked against torch's ``MemTracker`` on real steps of this package in one and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
 from lightning_scale.core.planner.shape import ModelShape
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fsdp_mixed_precision", "in_flight", "rank_blocks", "residual_bytes"]
+__all__ = [
+    "MemoryEstimate",
+    "block_activation_bytes",
+    "estimate_memory",
+    "fewest_offloaded_blocks",
+    "fsdp_mixed_precision",
+    "in_flight",
+    "rank_blocks",
+    "residual_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,11 @@ def _block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Ca
     return per_token * tokens, block_input * tokens
 
 
+def block_activation_bytes(shape: ModelShape, workload: Workload, candidate: Candidate) -> float:
+    """Bytes one (not checkpointed) block saves for its backward per micro-batch: what offloading moves."""
+    return _block_activation_bytes(shape, workload, candidate)[0]
+
+
 def _rank_parameters(shape: ModelShape, candidate: Candidate, first: bool, last: bool) -> tuple[float, float]:
     """(parameters on the rank, of which in linear weights) after the tensor-parallel cut."""
     t = candidate.tp
@@ -231,7 +248,7 @@ def _rank_estimate(
     checkpointed = candidate.checkpointed_blocks(blocks)
     per_microbatch = (blocks - checkpointed) * saved + checkpointed * kept
     held = in_flight(candidate, m, rank)
-    terms["activations"] = held * per_microbatch
+    terms["activations"] = held * (per_microbatch - candidate.offloaded_blocks(blocks) * saved)
     terms["logits"] = 0.0
     if last:
         tokens = candidate.micro_batch * workload.seq_len / candidate.cp
@@ -333,8 +350,22 @@ def estimate_memory(
         "microbatches": m,
         "parameters_on_rank": params,
         "blocks_on_rank": rank_blocks(shape, candidate.pp),
+        "offloaded_blocks_on_rank": candidate.offloaded_blocks(rank_blocks(shape, candidate.pp)),
         "block_activation_bytes_per_microbatch": saved,
         "microbatches_in_flight": in_flight(candidate, m, rank),
         "fsdp_mixed_precision": float(fsdp_mixed_precision(workload, candidate)),
     }
     return MemoryEstimate(terms, where, inputs)
+
+
+def fewest_offloaded_blocks(
+    shape: ModelShape, workload: Workload, candidate: Candidate, device_memory: float, **kwargs: Any
+) -> tuple[int | None, list[float]]:
+    """The fewest blocks per pipeline rank (``Candidate.offload_blocks``, from each rank's first) whose saved
+    activations in host memory make ``candidate`` fit ``device_memory`` bytes (``None``: not even all of them),
+    and the estimated peak for each count from 0 to the rank's blocks (``kwargs``: :func:`estimate_memory`'s)."""
+    totals = [
+        estimate_memory(shape, workload, replace(candidate, offload_blocks=n), **kwargs).total
+        for n in range(rank_blocks(shape, candidate.pp) + 1)
+    ]
+    return next((n for n, total in enumerate(totals) if total <= device_memory), None), totals

@@ -39,6 +39,11 @@ operation at its own rate:
   framework's Python: :attr:`Efficiency.overhead`, 0 until calibrated on a GPU), and the forward's share
   (:attr:`Efficiency.forward_overhead`) again per recomputed block, times the device's ``slowdown``
   (CPU processes sharing cores);
+- ``activation_offload``: per micro-batch, the offloaded blocks' saved activations
+  (:attr:`~lightning_scale.core.planner.layout.Candidate.offload_blocks`) copied to the host in the forward
+  and back in the backward over the cluster's ``host`` link (an assumed PCIe Gen5 x16, 55 GB/s, unless
+  given), :attr:`Efficiency.offload_overlap` of it hidden (0: ``save_on_cpu`` copies on the compute
+  stream); none on a CPU, where the host is the device (the "copy" is the tensor itself);
 - ``optimizer``: the update's memory traffic (parameters, gradients and states read, parameters
   and states written) at the device's memory bandwidth.
 
@@ -61,7 +66,12 @@ from lightning_scale.core.planner.collectives import (
     point_to_point_bandwidth,
 )
 from lightning_scale.core.planner.layout import OPTIMIZERS, PRECISION_BYTES, Candidate, Workload
-from lightning_scale.core.planner.memory import fsdp_mixed_precision, rank_blocks, residual_bytes
+from lightning_scale.core.planner.memory import (
+    block_activation_bytes,
+    fsdp_mixed_precision,
+    rank_blocks,
+    residual_bytes,
+)
 from lightning_scale.core.planner.shape import ModelShape
 
 __all__ = ["Efficiency", "TimeEstimate", "estimate_time"]  # Efficiency: defined with the clusters
@@ -197,7 +207,11 @@ def estimate_time(
     # A recomputed forward runs the block's operators again: a third of its FLOPs, and the forward's share
     # of its fixed cost.
     overhead = (blocks + eff.forward_overhead * recomputed) * eff.overhead * slowdown
-    per_mb = compute + attention + elementwise + recompute + tp_time + cp_time + p2p + overhead
+    offloaded = candidate.offloaded_blocks(blocks)
+    offload_bytes = offloaded * block_activation_bytes(shape, workload, candidate)
+    host_copies = cluster.device.chip != "cpu"  # a CPU's save_on_cpu keeps the tensor itself
+    offload = 2 * offload_bytes / cluster.host.bandwidth * (1 - eff.offload_overlap) if host_copies else 0.0
+    per_mb = compute + attention + elementwise + recompute + tp_time + cp_time + p2p + overhead + offload
     bubble = bubble_fraction(candidate.schedule, p, m, candidate.stages_per_rank) if p > 1 else 0.0
     pipeline = m * per_mb / (1 - bubble) if bubble < 1 else float("inf")
 
@@ -267,6 +281,7 @@ def estimate_time(
         "context_parallel": m * cp_time,
         "pipeline_transfers": m * p2p,
         "overhead": m * overhead,
+        "activation_offload": m * offload,
         "bubble": (pipeline - m * per_mb) / slowdown,
         "data_parallel": dp_time,
         "optimizer": optimizer,
@@ -340,6 +355,13 @@ def estimate_time(
         },
         "data_parallel": {"mode": candidate.dp_mode, "group": d, **group, **dp_inputs, "overlap": eff.dp_overlap},
         "overhead": {"seconds_per_block": eff.overhead, "slowdown": slowdown},
+        "activation_offload": {
+            "offloaded_blocks": offloaded,
+            "bytes_per_microbatch": offload_bytes,
+            "host_link": cluster.host.name if host_copies else "none (the CPU is the host)",
+            "host_bandwidth": cluster.host.bandwidth,
+            "overlap": eff.offload_overlap,
+        },
         "optimizer": {"bytes": traffic, "memory_bandwidth_achieved": cluster.device.memory_bandwidth * eff.memory},
     }
     return TimeEstimate(terms, model_flops, hardware_flops, inputs, details)

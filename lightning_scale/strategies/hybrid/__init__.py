@@ -20,6 +20,7 @@ Who does what (each with its own state and tests; the strategy's overrides call 
 - :mod:`.options`: every option, its default and its checks (``ParallelOptions``), and the registered names;
 - :mod:`.mesh`: the resolved layout and its ``DeviceMesh`` (``LayoutMesh``);
 - :mod:`.parallelize`: cutting the model, in the one documented order (``parallelize``);
+- :mod:`.float8`: torchao's float8 linears in the blocks (``float8=``), imported only when asked for;
 - :mod:`.state`: what a module was cut for, so that the next Trainer adopts it (``ParallelState``);
 - :mod:`.deferred`: models built on the meta device, materialised after the cut (``DeferredBuilder``);
 - :mod:`.pipeline_hooks`, :mod:`.pipeline_steps`: the model's pipeline hooks, and Lightning's steps

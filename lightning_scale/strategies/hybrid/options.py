@@ -4,7 +4,7 @@ value, the rule and the fix."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -14,10 +14,12 @@ from lightning_scale.core.checks import check_positive_int, check_positive_numbe
 from lightning_scale.core.parallel.blocks import ACTIVATION_CHECKPOINTING, resolve_compile
 from lightning_scale.core.parallel.data_parallel import COMPRESSIONS, DATA_PARALLEL_MODES
 from lightning_scale.core.parallel.layout import Layout, check_size
+from lightning_scale.core.parallel.offload import check_activation_offload
 from lightning_scale.core.parallel.sync_exchange import EmulatedLink
 from lightning_scale.core.parallel.sync_spec import SyncSpec, sync_spec
 from lightning_scale.core.pipeline.partition import SCHEDULES, check_schedule_microbatches, stages_per_rank
 from lightning_scale.core.resilience.watchdog import hang_timeout_policy
+from lightning_scale.strategies.hybrid.float8 import check_float8
 
 __all__ = ["GLOBAL_BATCH_CHANGES", "LOSS_STAGES", "PARTITIONS", "PLANNED", "PRESETS", "ParallelOptions", "loss_names"]
 
@@ -132,6 +134,8 @@ class ParallelOptions:
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2
     compile: bool | Literal["auto"] = "auto"
+    float8: str | None = None
+    activation_offload: int | str | Sequence[int] = 0
     gradient_compression: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
@@ -233,6 +237,7 @@ class ParallelOptions:
                 f"{format_choices(ACTIVATION_CHECKPOINTING)} (selective: every activation_checkpointing_every-th block)."
             )
         check_positive_int("activation_checkpointing_every", self.activation_checkpointing_every)
+        self._check_memory_and_float8()
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"Unknown pipeline schedule {self.schedule!r}. Valid schedules: {format_choices(SCHEDULES)}."
@@ -247,6 +252,12 @@ class ParallelOptions:
             check_positive_int("microbatches", self.microbatches, fix="Pass None for 2 x pipeline_parallel.")
             if isinstance(self.pipeline_parallel, int):
                 check_schedule_microbatches(self.schedule, self.pipeline_parallel, self.microbatches)
+
+    def _check_memory_and_float8(self) -> None:
+        if not isinstance(self.activation_offload, (int, str)) and isinstance(self.activation_offload, Sequence):
+            object.__setattr__(self, "activation_offload", tuple(self.activation_offload))  # a YAML list, hashable
+        check_activation_offload(self.activation_offload)
+        check_float8(self.float8)  # the recipe, and that torchao is installed (imported only to convert the model)
 
     def _check_sync(self, mode: str) -> None:
         if self.sync_every is not None:

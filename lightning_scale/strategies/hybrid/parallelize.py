@@ -22,11 +22,13 @@ from lightning_scale._lightning_compat import before_batch_transfer
 from lightning_scale.core.parallel.blocks import apply_activation_checkpointing, compile_blocks
 from lightning_scale.core.parallel.data_parallel import apply_data_parallel
 from lightning_scale.core.parallel.layout import Layout
+from lightning_scale.core.parallel.offload import apply_activation_offload, offloaded_blocks
 from lightning_scale.core.parallel.tensor_parallel import apply_tensor_parallel, find_registered_plans, resolve_plan
 from lightning_scale.core.pipeline.partition import stage_ranks
 from lightning_scale.core.pipeline.runner import PipelineRunner
 from lightning_scale.core.pipeline.spec import PipelineSpec, find_registered_spec
 from lightning_scale.core.telemetry.model_facts import ModelFacts
+from lightning_scale.strategies.hybrid.float8 import convert_float8
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 from lightning_scale.strategies.hybrid.pipeline_hooks import PIPELINE_SPEC_HOOK, example_batch, pipeline_spec_of
 from lightning_scale.strategies.hybrid.state import ParallelState
@@ -151,12 +153,15 @@ def parallelize(
     sees the module the previous one left, so e.g. FSDP shards the tensor-parallel shards):
 
     1. pipeline: keep this rank's stage(s), removing the other stages' blocks (names unchanged);
-    2. tensor parallel: the plan (:func:`tensor_parallel_plan`), checked against the whole model,
+    2. float8 (``float8=``): the blocks' linear layers become torchao's ``Float8Linear`` (:mod:`.float8`);
+    3. tensor parallel: the plan (:func:`tensor_parallel_plan`), checked against the whole model,
        applied to the modules kept;
-    3. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block of each
+    4. activation checkpointing of blocks (``none``, ``full``, ``selective``: every k-th block of each
        pipeline rank's); which blocks are wrapped on all ranks goes into ``facts`` (``train/hfu``);
-    4. ``torch.compile`` of each block (optional);
-    5. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
+    5. activation offloading (``activation_offload=``): each pipeline rank's first N blocks (or those listed)
+       keep what they save for the backward in host memory (:mod:`lightning_scale.core.parallel.offload`);
+    6. ``torch.compile`` of each block (optional);
+    7. data parallel over the ``dp`` mesh: FSDP2 ``replicate``/``fully_shard`` per block, then the
        modules that run them (``mp_policy``: FSDP2's mixed precision, the precision plugin's); none
        under a periodic ``data_parallel_sync`` (:mod:`.data_sync` synchronises the replicas).
 
@@ -175,10 +180,12 @@ def parallelize(
     if compiling and found is None and options.compile_setting == "auto":
         rank_zero_info(f"compile='auto': {type(module).__name__} declares no blocks, so none is compiled.")
         compiling = False
-    needs_blocks = options.activation_checkpointing != "none" or compiling
+    offload = options.activation_offload
+    needs_blocks = options.activation_checkpointing != "none" or compiling or options.float8 or offload
     if needs_blocks and found is None:
         raise ValueError(
-            f"activation_checkpointing={options.activation_checkpointing!r} and compile={options.compile_setting!r} act on "
+            f"activation_checkpointing={options.activation_checkpointing!r}, compile={options.compile_setting!r}, "
+            f"float8={options.float8!r} and activation_offload={offload!r} act on "
             f"the model's blocks, but {type(module).__name__} declares none: define `{PIPELINE_SPEC_HOOK}(self)` "
             "(it lists the blocks) or register the architecture with lightning_scale.core.pipeline.spec.register_pipeline_spec."
         )
@@ -200,10 +207,6 @@ def parallelize(
             example_batch=timing_batch() if options.partition == "by_cost" else None,
         )
         rank_zero_info(runner.describe())
-    if plan:  # 2. tensor parallel
-        kept = {n for n, _ in module.named_modules()}
-        apply_tensor_parallel(module, mesh["tp"], {n: s for n, s in plan.items() if n in kept})
-
     blocks: list[nn.Module] = []
     root: nn.Module | None = None
     if runner is not None:
@@ -212,8 +215,14 @@ def parallelize(
         root_name, spec = found
         root = module.get_submodule(root_name) if root_name else module
         blocks = [root.get_submodule(b) for b in spec.blocks]
+    if options.float8 is not None:  # 2. float8: the blocks' linears swapped, before tensor parallel and FSDP2 wrap them
+        convert_float8(blocks, options.float8, device)
+    if plan:  # 3. tensor parallel
+        kept = {n for n, _ in module.named_modules()}
+        apply_tensor_parallel(module, mesh["tp"], {n: s for n, s in plan.items() if n in kept})
+
     mode, every = options.activation_checkpointing, options.activation_checkpointing_every
-    checkpointed = apply_activation_checkpointing(blocks, mode, every)  # 3. activation checkpointing
+    checkpointed = apply_activation_checkpointing(blocks, mode, every)  # 4. activation checkpointing
     if facts is not None:
         facts.checkpointed_blocks = checkpointed_blocks(
             _rank_blocks(runner) if runner is not None else [range(len(blocks))], mode, every
@@ -226,7 +235,16 @@ def parallelize(
         if share is not None:
             detail += f"; recomputing them adds {share:.1%} to the training FLOPs (FlopCounterMode, meta tensors)"
         rank_zero_info(f"Activation checkpointing ({mode}): {detail}")
-    if compiling:  # 4. compile (regional: each block its own graph)
+    if offload:  # 5. activation offloading: around the checkpointed forward, inside the compiled call
+        indices = _rank_blocks(runner)[mesh["pp"].get_local_rank()] if runner is not None else range(len(blocks))
+        chosen = offloaded_blocks(offload, list(indices))  # type: ignore[arg-type]  # "auto" was resolved before
+        count = apply_activation_offload(blocks, chosen, pin_memory=device.type == "cuda")
+        rank_zero_info(
+            f"Activation offloading ({offload!r}): {count} of this rank's {len(blocks)} blocks keep what they save for "
+            f"the backward in {'pinned ' if device.type == 'cuda' else ''}host memory"
+            + (" (on the CPU the host is the device: nothing moves)" if device.type == "cpu" else "")
+        )
+    if compiling:  # 6. compile (regional: each block its own graph)
         begin = time.perf_counter()
         count = compile_blocks(blocks)
         rank_zero_info(
@@ -235,7 +253,7 @@ def parallelize(
             "extra time is the compile time)."
         )
 
-    # 5. data parallel (none for a periodic data_parallel_sync: each replica trains alone between synchronisations)
+    # 7. data parallel (none for a periodic data_parallel_sync: each replica trains alone between synchronisations)
     periodic = options.sync.periodic
     if layout.dp > 1 and not periodic and not ParallelOptions.plain_ddp(layout, options.data_parallel_mode):
         if runner is not None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.parallel.tensor_parallel import find_registered_plans
@@ -40,13 +40,23 @@ from lightning_scale.core.planner import (
 from lightning_scale.core.planner.calibration import calibrated, planner_record
 from lightning_scale.core.planner.cluster import local_cluster
 from lightning_scale.core.planner.layout import PRECISION_BYTES
+from lightning_scale.core.planner.memory import fewest_offloaded_blocks, rank_blocks
 from lightning_scale.core.planner.module_shape import module_shape
 from lightning_scale.core.telemetry.peaks import PEAK_FILE_ENV, machine_key, measured_peak, recorded_peak
+from lightning_scale.strategies.hybrid.float8 import check_float8_run
 from lightning_scale.strategies.hybrid.options import ParallelOptions
 from lightning_scale.strategies.hybrid.parallelize import TENSOR_PARALLEL_PLAN_HOOK
 from lightning_scale.strategies.hybrid.pipeline_hooks import pipeline_spec_of
 
-__all__ = ["AutoLayout", "candidate_of", "planner_inputs", "prediction_record", "run_cluster"]
+__all__ = [
+    "AutoLayout",
+    "auto_offload",
+    "candidate_of",
+    "memory_and_float8_options",
+    "planner_inputs",
+    "prediction_record",
+    "run_cluster",
+]
 
 _AUTO_HINT = "or choose the layout yourself (layout='manual' with data_parallel/tensor_parallel/pipeline_parallel)"
 
@@ -143,7 +153,66 @@ def candidate_of(options: ParallelOptions, layout: Layout, hsdp_shard: int, work
         checkpoint_every=options.activation_checkpointing_every,
         sequence_parallel=options.sequence_parallel and layout.tp > 1,
         hsdp_shard=hsdp_shard,
+        float8=options.float8 is not None,
+        # a list of block indices: planned as that many blocks per rank
+        offload_blocks=(
+            0
+            if options.activation_offload == "auto"
+            else options.activation_offload
+            if isinstance(options.activation_offload, int)
+            else len(options.activation_offload)
+        ),
     )
+
+
+def memory_and_float8_options(strategy: Any, trainer: Trainer, module: LightningModule) -> ParallelOptions:
+    """``strategy.options`` once the run is known, before the model is cut: float8 checked against the device
+    and precision (:func:`~lightning_scale.strategies.hybrid.float8.check_float8_run`); ``activation_offload=
+    "auto"`` replaced by the planner's choice (:func:`auto_offload`)."""
+    options = strategy.options
+    check_float8_run(options.float8, strategy.root_device, str(strategy.precision_plugin.precision))
+    if options.activation_offload != "auto":
+        return options
+    return dataclasses.replace(options, activation_offload=auto_offload(strategy, trainer, module))
+
+
+def auto_offload(strategy: Any, trainer: Trainer, module: LightningModule) -> int:
+    """``activation_offload="auto"``: the fewest blocks per pipeline rank (from its first) whose activations in
+    host memory make the planner's memory estimate of this run's layout fit the device (0 when it fits as it
+    is; every block, with a warning, when even that does not). Rank 0 plans, every rank gets its choice."""
+    choice: dict[str, Any] = {}
+    if strategy.global_rank == 0:
+        try:
+            choice = {"blocks": _plan_offload(strategy, trainer, module)}
+        except ValueError as err:  # (the planner cannot read this run): every rank raises alike
+            choice = {"error": f"activation_offload='auto' asks the planner, which cannot plan this run: {err}"}
+    choice = strategy.broadcast(choice)
+    if "error" in choice:
+        raise ValueError(choice["error"] + " Pass a number of blocks instead.")
+    return int(choice["blocks"])
+
+
+def _plan_offload(strategy: Any, trainer: Trainer, module: LightningModule) -> int:
+    shape, workload = planner_inputs(trainer, module)
+    mesh = strategy.device_mesh
+    shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
+    base = candidate_of(strategy.options, strategy.layout, shard, workload)
+    system = run_cluster(trainer, workload, None, peak=1.0)  # memory only: no peak is measured
+    blocks, capacity = rank_blocks(shape, base.pp), system.device.memory
+    fewest, memory = fewest_offloaded_blocks(shape, workload, base, capacity)
+    chosen = blocks if fewest is None else fewest
+    gib = [round(m / 2**30, 3) for m in memory]
+    rank_zero_info(
+        f"activation_offload='auto': {chosen} of {blocks} blocks per pipeline rank (planned memory per device "
+        f"{gib[0]} GiB without offloading, {gib[chosen]} GiB with; {capacity / 2**30:.3f} GiB on {system.device.name})."
+    )
+    if fewest is None:
+        rank_zero_warn(
+            f"activation_offload='auto': even with every block offloaded the planner's estimate ({gib[-1]} GiB) "
+            f"exceeds the device's {capacity / 2**30:.3f} GiB; offloading all {blocks} blocks. Shard more "
+            "(data_parallel_mode='fsdp', tensor or pipeline parallelism) or checkpoint activations."
+        )
+    return chosen
 
 
 def options_for(candidate: Candidate, workload: Workload) -> dict[str, Any]:

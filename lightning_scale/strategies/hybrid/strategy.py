@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -52,7 +52,7 @@ from lightning_scale.strategies.hybrid.parallelize import count_model_facts, par
 from lightning_scale.strategies.hybrid.pipeline_hooks import check_pipeline_module, timing_batch
 from lightning_scale.strategies.hybrid.pipeline_loss import Refused
 from lightning_scale.strategies.hybrid.pipeline_steps import PipelineSteps
-from lightning_scale.strategies.hybrid.planning import AutoLayout
+from lightning_scale.strategies.hybrid.planning import AutoLayout, memory_and_float8_options
 from lightning_scale.strategies.hybrid.resilience import Resilience
 from lightning_scale.strategies.hybrid.state import ParallelState
 
@@ -109,6 +109,12 @@ class HybridParallelStrategy(ParallelStrategy):
             k-th of each pipeline rank's.
         compile: ``torch.compile`` each block (regional compilation): ``True``, ``False``, or ``"auto"`` (the
             default): on where the root device is CUDA, off on the CPU.
+        float8: Train the linear layers inside the model's blocks in float8 through torchao (``"rowwise"`` or
+            ``"tensorwise"`` scaling; ``None``: off; ``pip install lightning-scale[fp8]``): CUDA GPUs of compute
+            capability >= 8.9 (H100, H200, L40S), emulated on the CPU (correctness, not speed); bf16 or fp32.
+        activation_offload: Keep what blocks save for their backward in host memory (``save_on_cpu``): ``0``
+            (off), ``N`` (each pipeline rank's first ``N`` blocks), a list of block indices, or ``"auto"`` (the
+            planner's fewest blocks that make the layout fit the device's memory).
         gradient_compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``: DDP communication hooks,
             for ``data_parallel_mode="ddp"`` without tensor or pipeline parallelism.
         powersgd_rank: The rank of PowerSGD's low-rank gradients.
@@ -171,6 +177,8 @@ class HybridParallelStrategy(ParallelStrategy):
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
         compile: bool | Literal["auto"] = "auto",
+        float8: str | None = None,
+        activation_offload: int | str | Sequence[int] = 0,
         gradient_compression: str = "none",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 10,
@@ -338,6 +346,8 @@ class HybridParallelStrategy(ParallelStrategy):
             # Here, not earlier: a model built in configure_model exists only now (still on the meta device).
             check_pipeline_module(module, self.layout.pp, self.options.loss_names)
         self.model = self.precision_plugin.convert_module(self.model)
+        # float8's device and precision, activation_offload="auto" (the planner): before the model is cut.
+        self.options = memory_and_float8_options(self, trainer, module)
         cut_before = ParallelState.of(module, self.layout, None, None)
         self._model_facts = count_model_facts(module, trainer, self.options, cut_before)
         self._deferred.plan_or_move(module, self.root_device, self.model_to_device)
