@@ -39,6 +39,7 @@ from planner_time import _spearman
 
 LAYOUT_SPACE = "study.space={activation_checkpointing:[none],schedule:[1f1b],data_parallel_mode:[ddp,fsdp],microbatches:[null,2,4,8]}"
 HPARAMS = ["module.learning_rate=1e-3,3e-3,1e-2", "data.global_batch_size=8,16,32"]
+"""The default grid (``--hp-lr``, ``--hp-batch`` give others)."""
 
 
 REUSE: set[str] = set()
@@ -110,7 +111,7 @@ def layouts(workdir: Path, steps: int, k: int) -> dict[str, Any]:
     }
 
 
-def hparams(workdir: Path, steps: int, val_every: int) -> dict[str, Any]:
+def hparams(workdir: Path, steps: int, val_every: int, axes: list[str], name: str = "hparams") -> dict[str, Any]:
     common = [
         "trainer.devices=2",
         f"trainer.max_steps={steps}",
@@ -118,10 +119,10 @@ def hparams(workdir: Path, steps: int, val_every: int) -> dict[str, Any]:
         "trainer.limit_val_batches=8",
         "validate_before_fit=false",
         "study.kind=hparams",
-        *HPARAMS,
+        *axes,
     ]
-    study = _study(workdir, "hparams", [*common, "study.pruner=successive_halving", "study.eta=3"])
-    grid = _study(workdir, "hparams_grid", [*common, "study.pruner=none"])
+    study = _study(workdir, name, [*common, "study.pruner=successive_halving", "study.eta=3"])
+    grid = _study(workdir, f"{name}_grid", [*common, "study.pruner=none"])
 
     def best(run: dict[str, Any]) -> tuple[str, float]:
         done = {n: t["value"] for n, t in run["state"]["trials"].items() if t["status"] == "completed"}
@@ -150,12 +151,15 @@ def main() -> None:
     parser.add_argument("--hp-steps", type=int, default=300)
     parser.add_argument("--hp-val-every", type=int, default=50)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the studies here (default: a temporary one)")
+    parser.add_argument("--hp-lr", default=HPARAMS[0].split("=")[1], help="learning rates, comma-separated")
+    parser.add_argument("--hp-batch", default=HPARAMS[1].split("=")[1], help="global batch sizes, comma-separated")
+    parser.add_argument("--hp-name", default="hparams", help="the hyper-parameter studies' names (name, name_grid)")
     parser.add_argument(
         "--reuse-grids", action="store_true", help="read the grids stored in --workdir instead of running them again"
     )
     args = parser.parse_args()
     if args.reuse_grids:
-        REUSE.update({"grid", "hparams_grid"})
+        REUSE.update({"grid", f"{args.hp_name}_grid"})
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="study-bench-"))
     os.environ.setdefault("WANDB_MODE", "offline")
     report: dict[str, Any] = {"cpu_count": os.cpu_count()}
@@ -163,7 +167,8 @@ def main() -> None:
     if "layouts" in parts:
         report.update(layouts(workdir, args.layout_steps, args.k))
     if "hparams" in parts:
-        report.update(hparams(workdir, args.hp_steps, args.hp_val_every))
+        axes = [f"module.learning_rate={args.hp_lr}", f"data.global_batch_size={args.hp_batch}"]
+        report.update(hparams(workdir, args.hp_steps, args.hp_val_every, axes, args.hp_name))
     emit("study", report, RESULTS / "study.json")
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)

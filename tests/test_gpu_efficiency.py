@@ -208,3 +208,27 @@ def test_compiled_blocks_on_the_cpu_give_the_eager_losses() -> None:
     eager, compiled = _two_adamw_steps(False), _two_adamw_steps(True)
     assert compiled == pytest.approx(eager, abs=1e-5)
     assert eager[1] != eager[0]
+
+
+def test_the_attention_kernels_are_checked_and_reported_at_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_scale.core.parallel import attention
+
+    assert attention.sdpa_backends(torch.device("cpu"), torch.bfloat16) == {}
+    assert "torch's own kernels for torch.bfloat16" in attention.describe_sdpa(torch.device("cpu"), "bf16-mixed")
+    # A GPU (mocked: none here) whose fused kernels cannot run in the run's dtype: said, with the fix.
+    monkeypatch.setattr(attention, "sdpa_backends", lambda *_: {"flash": False, "cudnn": False, "efficient": True})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla V100-SXM2-32GB")
+    line = attention.describe_sdpa(torch.device("cuda"), "32-true")
+    assert "Tesla V100-SXM2-32GB in torch.float32: flash not usable, cudnn not usable, efficient usable" in line
+    assert "Neither FlashAttention nor cuDNN attention runs here" in line and "bf16-mixed" in line
+    monkeypatch.setattr(attention, "sdpa_backends", lambda *_: {"flash": True, "cudnn": True, "efficient": True})
+    assert "Neither" not in attention.describe_sdpa(torch.device("cuda"), "bf16-mixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attention_runs_in_bf16_on_this_gpu() -> None:
+    from lightning_scale.core.parallel.attention import sdpa_backends
+
+    usable = sdpa_backends(torch.device("cuda"), torch.bfloat16)
+    assert usable["flash"] or usable["cudnn"], usable

@@ -16,6 +16,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +27,7 @@ from typing_extensions import override
 import lightning_scale._lightning_compat as lc
 import lightning_scale.strategies.hybrid.collectives as collectives
 from lightning_scale.core.checkpoint.sharded_state import ShardedState
+from lightning_scale.core.parallel.attention import describe_sdpa
 from lightning_scale.core.parallel.data_parallel import check_not_wrapped, gradient_sync_blocked, wrap_ddp
 from lightning_scale.core.parallel.layout import Layout
 from lightning_scale.core.parallel.sync_exchange import EmulatedLink
@@ -394,6 +396,7 @@ class HybridParallelStrategy(ParallelStrategy):
             if ParallelState.needed(layout, o):
                 ParallelState(layout, self._mesh.hsdp, o, self.device_mesh, runner, policy, facts).attach(module)
             self._deferred.materialize(module, device, runner.stage_modules() if runner is not None else ())
+            rank_zero_info(describe_sdpa(device, str(plugin.precision)))  # the attention kernels this run can use
         self._steps.runner = runner = state.pipeline if state is not None else runner
         plugin.fsdp_managed = policy is not None
         if runner is not None:
