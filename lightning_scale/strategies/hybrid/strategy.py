@@ -308,7 +308,7 @@ class HybridParallelStrategy(ParallelStrategy):
     def _before_launch(self, trainer: Trainer | None) -> None:
         """In the launching process, before any other starts: what the module itself decides (the blocks a
         streaming DiLoCo splits into fragments). Processes a launcher like torchrun created check it at set-up."""
-        module = trainer.lightning_module if trainer is not None else self._lightning_module
+        module = trainer.lightning_module if trainer is not None else self.lightning_module
         if module is not None and self.options.sync.fragments > 1:
             check_fragments(module, self.options.sync.fragments)
 
