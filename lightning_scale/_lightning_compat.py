@@ -261,11 +261,17 @@ def use_subprocess_launcher(strategy: Any, before_launch: Callable[[Any], None] 
         "lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher", "use_subprocess_launcher"
     )
     if before_launch is not None:
-        check = before_launch
+        import weakref
+
+        # Held weakly: a bound method of the strategy would keep the strategy, its mesh and so its process
+        # groups alive for as long as the launcher is (a run keeps its launcher to wait for its children).
+        check = weakref.WeakMethod(before_launch) if hasattr(before_launch, "__self__") else lambda: before_launch
 
         class _CheckedLauncher(launcher):  # type: ignore[misc, valid-type]
             def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-                check(trainer)
+                found = check()
+                if found is not None:
+                    found(trainer)
                 return super().launch(function, *args, trainer=trainer, **kwargs)
 
         launcher = _CheckedLauncher
