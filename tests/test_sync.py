@@ -319,6 +319,21 @@ def test_more_fragments_than_blocks_are_refused_before_any_process_starts(monkey
         trainer.fit(_Blockless(), train_dataloaders=_loader())
 
 
+def test_the_launcher_does_not_keep_the_strategy_alive() -> None:
+    # A run keeps its launcher to wait for its children; holding the strategy (its mesh, its process groups)
+    # from there would keep the groups' threads alive past the run's end.
+    import gc
+    import weakref
+
+    strategy = HybridParallelStrategy(data_parallel_sync=streaming_diloco(every=8, fragments=2))
+    trainer = quiet_trainer(devices=2, strategy=strategy, max_steps=2)
+    launcher, ref = strategy.launcher, weakref.ref(strategy)
+    assert launcher is not None
+    del trainer, strategy
+    gc.collect()
+    assert ref() is None
+
+
 class _Blockless(SGDStack):
     pipeline_spec = None
 
