@@ -42,7 +42,7 @@ from lightning_scale.cli.resume import resumable_checkpoint, resume_checkpoint
 from lightning_scale.core.parallel.process_groups import end_process_groups
 from lightning_scale.strategies import HybridParallelStrategy
 
-__all__ = ["build", "prepare_job", "run", "threads_left"]
+__all__ = ["build", "checkpoint_step", "prepare_job", "run", "threads_left"]
 
 
 def _wandb_loggers(cfg: DictConfig) -> list[Any]:
@@ -210,7 +210,7 @@ def _train(
     log_config(trainer, cfg)
     summary: dict[str, Any] = {}
     record.started_at = start
-    resume_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else None
+    resume_step = checkpoint_step(ckpt_path) if ckpt_path is not None else None
     if cfg.validate_before_fit:
         # With a checkpoint, "before" means the weights training resumes from: logged (and recorded) at the
         # step it resumes from, so the curves and the loggers' steps go on from there rather than from 0.
@@ -257,7 +257,7 @@ def _train(
     return summary
 
 
-def _checkpoint_step(path: str) -> int | None:
+def checkpoint_step(path: str) -> int | None:
     """The global step a checkpoint was taken at (its manifest, or a ``.ckpt`` file's ``global_step``)."""
     target = Path(path)
     if target.is_dir():

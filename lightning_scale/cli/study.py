@@ -43,7 +43,7 @@ from lightning_scale.cli.job_config import LayoutNotAdmitted, check_fits, layout
 from lightning_scale.cli.resolvers import register_resolvers
 from lightning_scale.cli.results import RESULTS_FILE, read_json
 from lightning_scale.cli.resume import resumable_checkpoint
-from lightning_scale.cli.run import prepare_job
+from lightning_scale.cli.run import checkpoint_step, prepare_job
 from lightning_scale.cli.study_report import write_report
 from lightning_scale.cli.study_state import METRICS, StudyOptions, StudyState, rung_metric, should_prune
 from lightning_scale.cli.sweep_launch import LOG_FILE, torchrun
@@ -128,6 +128,7 @@ class Study:
         self.trials: dict[str, list[str]] = {}  # name -> its own overrides
         self.predicted: dict[str, dict[str, Any]] = {}  # layouts: name -> candidate and predictions
         self.rungs = self._rungs()
+        self.price = self._price()  # $ per device-hour (None: unknown), read once: spent() runs at every poll
         self.state = StudyState(self.dir / "study.json", options, [*self.base, *(" ".join(g) for g in grid)])
         self.state.doc["fixed_overrides"] = list(self.base)
 
@@ -181,7 +182,7 @@ class Study:
                 f"study.budget_gpu_hours={self.options.budget_gpu_hours}: the study's plan needs {hours:.4g} device-hours "
                 "(its first round at the planner's step times). Raise the budget, lower study.k or trainer.max_steps."
             )
-        price = self._price()
+        price = self.price
         if self.options.budget_usd is not None:
             if price is None:
                 raise ValueError(
@@ -196,7 +197,7 @@ class Study:
 
     def spent(self) -> bool:
         hours = self.state.spent_device_s() / 3600
-        price = self._price()
+        price = self.price
         over_hours = self.options.budget_gpu_hours is not None and hours >= self.options.budget_gpu_hours
         over_usd = (
             self.options.budget_usd is not None and price is not None and hours * price >= self.options.budget_usd
@@ -333,7 +334,7 @@ class Study:
         return self._layouts()
 
     def _hparams(self) -> int:
-        for i, overrides in enumerate(self.grid):
+        for overrides in self.grid:
             self.trials[_slug(overrides)] = overrides
         per_step = self._planned_trial_s() / int(self.template.trainer.max_steps)
         self.state.doc["planned_device_s"] = planned = per_step * self._planned_steps()
@@ -459,17 +460,15 @@ class Study:
         }
 
     def _finish(self) -> int:
-        report = write_report(self.dir, self.state.doc, self.options, self.predicted, self._price())
+        report = write_report(self.dir, self.state.doc, self.options, self.predicted, self.price)
         say(report["summary"])
         return 0 if report.get("winner") else 1
 
 
 def _checkpoint_step(cfg: DictConfig) -> int | None:
+    """The step of the trial's newest checkpoint (None: it has none)."""
     found, _ = resumable_checkpoint(cfg)
-    if found is None:
-        return None
-    digits = "".join(c for c in Path(found).name if c.isdigit())
-    return int(digits) if digits else None
+    return None if found is None else checkpoint_step(found)
 
 
 HELP = __doc__.split("Each trial")[0].replace("``", "") + "Every option: docs/studies.md\n"
