@@ -14,7 +14,9 @@
 - ``hparams``: learning rate x global batch size (:data:`HPARAMS`, 9 trials, 2 processes, ``--hp-steps``
   steps, validation every ``--hp-val-every``): successive halving (eta 3) on validation loss, against the
   grid of every trial to the end: ``hp_val_loss_gap`` (the study's best over the grid's best, minus one;
-  target <= 0.02) and ``hp_cost_vs_grid`` (target <= 0.5).
+  target <= 0.02) and ``hp_cost_vs_grid`` (target <= 0.5). ``--hp-rungs`` sets the rungs (default: every
+  validation); ``--hp-equal-tokens`` runs study and grid at equal data (``study.equal_tokens=true``: a trial
+  of twice the batch takes half the steps).
 
 Device-seconds are each job's wall time (its processes' start included) times its processes. The two
 studies of a part run one after the other on an otherwise idle machine. Prints ``BENCH study {json}`` last
@@ -111,7 +113,16 @@ def layouts(workdir: Path, steps: int, k: int) -> dict[str, Any]:
     }
 
 
-def hparams(workdir: Path, steps: int, val_every: int, axes: list[str], name: str = "hparams") -> dict[str, Any]:
+def hparams(
+    workdir: Path,
+    steps: int,
+    val_every: int,
+    axes: list[str],
+    name: str = "hparams",
+    *,
+    rungs: str | None = None,
+    equal_tokens: bool = False,
+) -> dict[str, Any]:
     common = [
         "trainer.devices=2",
         f"trainer.max_steps={steps}",
@@ -119,6 +130,8 @@ def hparams(workdir: Path, steps: int, val_every: int, axes: list[str], name: st
         "trainer.limit_val_batches=8",
         "validate_before_fit=false",
         "study.kind=hparams",
+        *([f"study.rungs=[{rungs}]"] if rungs else []),
+        *(["study.equal_tokens=true"] if equal_tokens else []),
         *axes,
     ]
     study = _study(workdir, name, [*common, "study.pruner=successive_halving", "study.eta=3"])
@@ -132,6 +145,8 @@ def hparams(workdir: Path, steps: int, val_every: int, axes: list[str], name: st
     (s_name, s_loss), (g_name, g_loss) = best(study), best(grid)
     return {
         "hp_trials": len(grid["state"]["trials"]),
+        "hp_equal_tokens": equal_tokens,
+        "hp_rungs": rungs or f"every {val_every}",
         "hp_pruned": sum(t["status"] == "pruned" for t in study["state"]["trials"].values()),
         "hp_winner": s_name,
         "hp_grid_best": g_name,
@@ -154,6 +169,10 @@ def main() -> None:
     parser.add_argument("--hp-lr", default=HPARAMS[0].split("=")[1], help="learning rates, comma-separated")
     parser.add_argument("--hp-batch", default=HPARAMS[1].split("=")[1], help="global batch sizes, comma-separated")
     parser.add_argument("--hp-name", default="hparams", help="the hyper-parameter studies' names (name, name_grid)")
+    parser.add_argument("--hp-rungs", default=None, help="successive halving's rungs, comma-separated steps")
+    parser.add_argument(
+        "--hp-equal-tokens", action="store_true", help="every trial on the same tokens (study.equal_tokens=true)"
+    )
     parser.add_argument(
         "--reuse-grids", action="store_true", help="read the grids stored in --workdir instead of running them again"
     )
@@ -168,7 +187,17 @@ def main() -> None:
         report.update(layouts(workdir, args.layout_steps, args.k))
     if "hparams" in parts:
         axes = [f"module.learning_rate={args.hp_lr}", f"data.global_batch_size={args.hp_batch}"]
-        report.update(hparams(workdir, args.hp_steps, args.hp_val_every, axes, args.hp_name))
+        report.update(
+            hparams(
+                workdir,
+                args.hp_steps,
+                args.hp_val_every,
+                axes,
+                args.hp_name,
+                rungs=args.hp_rungs,
+                equal_tokens=args.hp_equal_tokens,
+            )
+        )
     emit("study", report, RESULTS / "study.json")
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)

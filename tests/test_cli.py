@@ -244,6 +244,7 @@ def test_default_run_killed_then_preempted_resumes_to_the_uninterrupted_result(
 
     status, out = _train_until("step 260/300", signal.SIGTERM, here, "ckpt_path=latest", env=env)
     assert status == PREEMPTION_EXIT_CODE, out[-3000:]
+    assert "still ran at exit" not in out, out[-3000:]  # the preempted ranks' groups ended with the run
     restored = re.search(r"Restored all states from the checkpoint at (\S+)", out)
     assert restored and verify(Path(restored[1]))["global_step"] == 200, out[-3000:]  # the newest before the crash
     (preempted,) = (run_dir / "checkpoints").glob("step-*")  # committed at the step the signal stopped

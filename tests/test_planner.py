@@ -385,10 +385,11 @@ def test_a_recomputed_block_pays_its_forward_share_of_the_fixed_cost_again() -> 
     none = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8), host, eff).terms
     full = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8, checkpointing="full"), host, eff).terms
     assert none["overhead"] == pytest.approx(4 * 1e-3) and full["overhead"] == pytest.approx(4 * 1.4 * 1e-3)
-    # On a CPU attention runs as plain matmuls at the GEMM rate: a block's forward is a third of its FLOPs.
-    assert full["recompute"] == pytest.approx(
-        (none["compute"] + none["attention"]) * 4 * TINY.block_flops_per_token(128) / 3 / (TINY.flops_per_token(128))
-    )
+    # On a CPU attention runs as plain matmuls at the GEMM rate: a block's forward is a third of its FLOPs
+    # (the head, at its own rate, is not recomputed).
+    inputs = estimate_time(TINY, workload, Candidate(2, 1, 1, micro_batch=8), host, eff).inputs
+    head = TINY.head_flops_per_token() * 8 * 128 / inputs["head_rate"]
+    assert full["recompute"] == pytest.approx((none["compute"] + none["attention"] - head) / 3)
 
 
 def test_an_interleaved_rank_sends_and_receives_once_per_stage() -> None:
@@ -410,9 +411,15 @@ def test_a_single_device_step_is_gemms_attention_memory_bound_operators_and_the_
     assert {k for k, v in e.terms.items() if v} == {"compute", "attention", "elementwise", "optimizer"}
     eff, peak, tokens = node.efficiency, 989.4e12, 8 * 1024
     d, layers, vocab = 768, 12, 50257
-    assert e.inputs["matmul_rate"] == pytest.approx(peak * eff.compute * 768 / (768 + eff.matmul_half))
-    gemm = layers * 6 * 12 * d * d + 6 * vocab * d  # per token: the blocks' linears and the head
-    assert e.terms["compute"] == pytest.approx(gemm * tokens / e.inputs["matmul_rate"])
+    # Each matmul's size is 1 / (1/M + 1/N + 1/K), the blocks' a FLOP-weighted harmonic mean: q/k/v (N 3d, K d;
+    # weight 3), the output projection (d, d; 1), the MLP's input (4d, d; 4) and output (d, 4d; 4).
+    size = 1 / (1 / tokens + (3 * (1 / (3 * d) + 1 / d) + 2 / d + 8 * (1 / (4 * d) + 1 / d)) / 12)
+    assert e.inputs["matmul_rate"] == pytest.approx(peak * eff.compute * size / (size + eff.matmul_half))
+    head_size = 1 / (1 / tokens + 1 / vocab + 1 / d)
+    assert e.inputs["head_rate"] == pytest.approx(peak * eff.compute * head_size / (head_size + eff.matmul_half))
+    assert e.terms["compute"] == pytest.approx(
+        layers * 6 * 12 * d * d * tokens / e.inputs["matmul_rate"] + 6 * vocab * d * tokens / e.inputs["head_rate"]
+    )
     attention_rate = peak * eff.attention * 1024 / (1024 + eff.attention_half)
     assert e.terms["attention"] == pytest.approx(layers * 12 * d * 1024 / 2 * tokens / attention_rate)
     # Per token and block, forward: norms 2 x 2d and residual adds 2 x 3d at fp32 (autocast); q/k/v and the

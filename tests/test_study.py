@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lightning_scale.cli.study import main, parse_options
+from lightning_scale.cli.study import halving_rungs, main, parse_options
 from lightning_scale.cli.study_state import StudyOptions, log_points, rung_metric, should_prune
 
 # A small job of 2 processes: 16 steps, validation every 8 (the rung at 8).
@@ -73,11 +73,21 @@ def test_successive_halving_keeps_the_best_one_in_eta_of_those_at_a_rung() -> No
         (["study.kind=grid"], r"study.kind='grid' is not a study kind"),
         (["study.rungs=[0]"], r"study.rungs=0 must be a positive integer"),
         (["study.colour=red"], r"study.colour is not a study option; the options are"),
+        (["study.equal_tokens=true"], r"study.equal_tokens=true scales each trial's steps to its batch, but a layout"),
+        (["study.kind=hparams", "study.equal_tokens=2"], r"study.equal_tokens=2 must be true or false"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value_and_the_fix(args: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_options(args)
+
+
+def test_successive_halvings_default_rungs_are_its_geometric_schedule_at_validation_steps() -> None:
+    assert halving_rungs(270, 30, 9, 3) == [30, 90]  # 9 -> 3 -> 1
+    assert halving_rungs(300, 50, 9, 3) == [50, 100]  # 300 / 9 = 33: the first validation at least
+    assert halving_rungs(16, 8, 2, 2) == [8]
+    assert halving_rungs(810, 10, 10, 3) == [30, 90, 270]  # 10 -> 4 -> 2 -> 1
+    assert halving_rungs(100, 10, 1, 3) == []
 
 
 def test_the_first_round_is_the_fastest_layout_and_those_that_pin_the_fitted_factors_best_per_second() -> None:
@@ -126,6 +136,11 @@ def test_a_running_trials_metric_is_read_off_its_log_at_each_rung(tmp_path: Path
             r"rungs \[3\] are not multiples of trainer.val_check_interval=8",
         ),
         (["data.seq_len=100000"], r"data.seq_len=100000 exceeds the model's context"),
+        (
+            ["study.kind=hparams", "study.equal_tokens=true", "data.global_batch_size=8,24"],
+            r"the trial data.global_batch_size=24 takes 1536 tokens a step against the config's 512, so its "
+            r"trainer.max_steps would be 16/3, trainer.val_check_interval would be 8/3, rung 8 would be 8/3 steps",
+        ),
         (["strategy=ddp"], r"study.kind=layouts sets the layout of HybridParallelStrategy, but the config's strategy"),
     ],
 )
@@ -198,6 +213,27 @@ def test_successive_halving_pauses_every_trial_at_each_rung_and_resumes_the_best
     assert same["status"] == "completed"
     assert winner["value"] == pytest.approx(same["value"], rel=1e-6, abs=0)
     assert winner["rungs"] == pytest.approx(same["rungs"], rel=1e-6)
+
+
+def test_equal_token_trials_take_steps_in_inverse_proportion_to_their_batch(tmp_path: Path) -> None:
+    """A batch-size study at equal data: the trial of twice the batch takes half the steps, validates and meets
+    the rung at the same tokens (its step 4 is the config's step 8), and its learning-rate schedule spans its
+    own steps."""
+    args = _study(tmp_path, "tokens", "study.kind=hparams", "study.pruner=none", "study.equal_tokens=true")
+    assert main([*args, "data.global_batch_size=8,16", "module.warmup_steps=4"]) == 0
+    state = json.loads((tmp_path / "tokens" / "study.json").read_text())
+    seen = {}
+    for trial in state["trials"].values():
+        assert trial["status"] == "completed" and set(trial["rungs"]) == {"8"}, trial
+        results = json.loads(Path(trial["results"]).read_text())
+        batch = results["global_batch_size"]
+        seen[batch] = results["global_step"] * batch * results["seq_len"]
+        job = (Path(trial["run_dir"]) / "job.log").read_text()
+        assert f"validation at step {64 // batch} " in job, job[-2000:]  # the rung read off its own step
+        assert ("validation at step 4 " in job) == (batch == 16)
+        config = (Path(trial["run_dir"]) / "resolved_config.yaml").read_text()
+        assert f"warmup_steps: {32 // batch}\n" in config and f"max_steps: {128 // batch}\n" in config
+    assert seen == {8: 16 * 8 * 64, 16: 16 * 8 * 64}, seen
 
 
 def _study_processes(driver: int) -> list[int]:

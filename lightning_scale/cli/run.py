@@ -12,6 +12,7 @@ import string
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     try:
         summary = _train(cfg, module, datamodule, trainer, record, start)
         finished = True
+    except BaseException as err:
+        # Its traceback's frames (fit's, the strategy's, the loop's) hold the model, the strategy and their
+        # process groups while it propagates: cleared, the groups end below and join their threads (a
+        # preempted or pruned job otherwise waited out the grace and exited unfinalised).
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
         # The groups go with their last references: the model's meshes and the strategy's stages.
         del module, datamodule, trainer, record

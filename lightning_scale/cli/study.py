@@ -8,7 +8,8 @@ that ``study.space`` allows), the top ``study.k`` run for ``trainer.max_steps`` 
 calibrated on what they measured and re-ranks every layout; layouts it now predicts faster than the best
 measured by more than ``study.tolerance`` run next, and so on (``study.max_rounds``) until the predicted and
 the measured best agree. ``study.kind=hparams``: every combination of the command line's comma lists is
-a trial. In both, a running trial's metric is read off its log at each rung (``study.rungs``), and the
+a trial (``study.equal_tokens``: each on the tokens of ``trainer.max_steps`` at the config's own batch). In
+both, a running trial's metric is read off its log at each rung (``study.rungs``), and the
 pruner (``study.pruner``) stops a weak one there: SIGTERM, so it commits its checkpoint at the step it
 stops at, and its record says "pruned at step N" with the metric.
 
@@ -34,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,17 @@ def _grid(overrides: Sequence[str]) -> tuple[list[str], list[list[str]]]:
     return fixed, [list(combo) for combo in itertools.product(*axes)] if axes else []
 
 
+def halving_rungs(steps: int, every: int, trials: int, eta: int) -> list[int]:
+    """Successive halving's geometric schedule (Jamieson and Talwalkar 2016): ``n`` trials fall to one in
+    ``K`` rounds of keeping ``ceil(n / eta)``; its rungs are at ``steps / eta^K, ..., steps / eta``, each at the
+    validation at or before it (the first validation at least)."""
+    rounds, left = 0, trials
+    while left > 1:
+        left, rounds = -(-left // eta), rounds + 1
+    rungs = {max(every, int(steps / eta**k) // every * every) for k in range(rounds, 0, -1)}
+    return sorted(r for r in rungs if r < steps)
+
+
 def _slug(overrides: Sequence[str]) -> str:
     text = "_".join(o.split("=", 1)[0].split(".")[-1] + "-" + o.split("=", 1)[-1] for o in overrides) or "base"
     safe = "".join(c if c.isalnum() or c in ".-_" else "-" for c in text)[:60]  # no "=": it names a directory
@@ -128,6 +141,8 @@ class Study:
         self.trials: dict[str, list[str]] = {}  # name -> its own overrides
         self.predicted: dict[str, dict[str, Any]] = {}  # layouts: name -> candidate and predictions
         self.rungs = self._rungs()
+        # equal_tokens: a trial's steps per step of the config's own batch (its rungs and validations scaled too)
+        self.scale: dict[str, Fraction] = self._equal_token_scales() if options.equal_tokens else {}
         self.price = self._price()  # $ per device-hour (None: unknown), read once: spent() runs at every poll
         self.state = StudyState(self.dir / "study.json", options, [*self.base, *(" ".join(g) for g in grid)])
         self.state.doc["fixed_overrides"] = list(self.base)
@@ -149,7 +164,12 @@ class Study:
             rungs = [max(1, steps // 2)]
         else:
             every = self.template.trainer.get("val_check_interval")
-            rungs = list(range(int(every), steps, int(every))) if isinstance(every, int) else []
+            if not isinstance(every, int):
+                rungs = []
+            elif self.options.pruner == "successive_halving":
+                rungs = halving_rungs(steps, every, len(self.grid), self.options.eta)
+            else:
+                rungs = list(range(every, steps, every))
         key = METRICS[str(self.options.metric)][1]
         if key.startswith("val/"):
             every = self.template.trainer.get("val_check_interval")
@@ -159,6 +179,54 @@ class Study:
                     f"multiples of trainer.val_check_interval={every!r}: set it to an integer dividing every rung."
                 )
         return rungs
+
+    def _equal_token_scales(self) -> dict[str, Fraction]:
+        """Per trial, how many of its steps take the tokens one step takes at the config's own batch and sequence
+        (``data.global_batch_size`` x ``data.seq_len``); refused before any job where a trial's steps, validation
+        interval or rungs would not be whole steps."""
+
+        def tokens(cfg: DictConfig, where: str) -> int:
+            data = cfg.get("data") or {}
+            batch, seq = data.get("global_batch_size"), data.get("seq_len")
+            if not isinstance(batch, int) or not isinstance(seq, int):
+                raise ValueError(
+                    f"study.equal_tokens=true counts a step's tokens as data.global_batch_size x data.seq_len, but "
+                    f"{where} has {batch!r} x {seq!r}: give both as integers, or drop study.equal_tokens."
+                )
+            return batch * seq
+
+        reference = tokens(self.template, "the config")
+        counts = self._whole_step_counts() | {f"rung {r}": r for r in self.rungs}
+        scales = {}
+        for overrides in self.grid:
+            cfg = compose_job([*self.base, *overrides], self.dir / "trials" / "template", self.name)
+            own = tokens(cfg, f"the trial {' '.join(overrides)}")
+            scale = Fraction(reference, own)
+            bad = {k: f"{v * scale}" for k, v in counts.items() if (v * scale).denominator != 1}
+            if bad:
+                raise ValueError(
+                    f"study.equal_tokens=true: the trial {' '.join(overrides)} takes {own} tokens a "
+                    f"step against the config's {reference}, so its {', '.join(f'{k} would be {v}' for k, v in bad.items())} "
+                    f"steps: choose trainer.max_steps, trainer.val_check_interval and the rungs as multiples of "
+                    f"{scale.denominator}."
+                )
+            scales[_slug(overrides)] = scale
+        return scales
+
+    def _whole_step_counts(self) -> dict[str, int]:
+        """What equal_tokens scales, as the config gives it: the trial's length, validation interval and (the
+        reference GPT's) warm-up; one not given as a number of steps (a fraction of an epoch) is left alone."""
+        module = self.template.get("module") or {}
+        counts = {
+            "trainer.max_steps": self.template.trainer.max_steps,
+            "trainer.val_check_interval": self.template.trainer.get("val_check_interval"),
+            "module.warmup_steps": module.get("warmup_steps"),
+        }
+        return {k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+    def _trial_step(self, name: str, step: int) -> int:
+        """A step of the config's own batch as the trial's step (the same under equal_tokens's tokens)."""
+        return int(step * self.scale.get(name, 1))
 
     def _price(self) -> float | None:
         """Dollars per device-hour as the jobs' CostMonitor prices them: ``callbacks.cost.price_per_device_hour``,
@@ -300,7 +368,7 @@ class Study:
         for rung in self.rungs:
             if str(rung) in record["rungs"]:
                 continue
-            value = rung_metric(log, key, rung)
+            value = rung_metric(log, key, self._trial_step(record["name"], rung))
             if value is None:
                 return new and not prune
             new = True
@@ -334,8 +402,12 @@ class Study:
         return self._layouts()
 
     def _hparams(self) -> int:
+        counts = self._whole_step_counts()
         for overrides in self.grid:
-            self.trials[_slug(overrides)] = overrides
+            name = _slug(overrides)
+            self.trials[name] = list(overrides)
+            if name in self.scale:  # equal_tokens: the trial's own steps, after the grid's values
+                self.trials[name] += [f"{key}={self._trial_step(name, value)}" for key, value in counts.items()]
         per_step = self._planned_trial_s() / int(self.template.trainer.max_steps)
         self.state.doc["planned_device_s"] = planned = per_step * self._planned_steps()
         self.check_budget(planned)

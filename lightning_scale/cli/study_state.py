@@ -65,7 +65,13 @@ class StudyOptions:
     eta: int = 3
     """successive_halving: the fraction ``1/eta`` of the trials at a rung that go on."""
     rungs: list[int] | None = None
-    """The steps at which the pruner looks (default: layouts, half the steps; hparams, every validation)."""
+    """The steps at which the pruner looks (default: layouts, half the steps; hparams, every validation, and
+    under successive halving its geometric schedule: :func:`~lightning_scale.cli.study.halving_rungs`)."""
+    equal_tokens: bool = False
+    """hparams: every trial trains on the tokens of the config's own batch over ``trainer.max_steps`` (a trial
+    of twice the batch, or of twice the sequence, takes half the steps), and validates and meets its rungs at
+    the same tokens; ``False``: every trial takes ``trainer.max_steps``. A batch-size study compares sizes at
+    equal data this way: at equal steps the larger batch has seen more."""
     min_trials: int = 1
     """Trials that reach a rung before the pruner may stop one there."""
     tolerance: float = 0.05
@@ -88,6 +94,13 @@ class StudyOptions:
         if self.metric not in METRICS:
             raise ValueError(
                 f"study.metric={self.metric!r} is not a metric a study can rank on; choose one of {sorted(METRICS)}."
+            )
+        if not isinstance(self.equal_tokens, bool):
+            raise ValueError(f"study.equal_tokens={self.equal_tokens!r} must be true or false.")
+        if self.equal_tokens and self.kind != "hparams":
+            raise ValueError(
+                "study.equal_tokens=true scales each trial's steps to its batch, but a layout study keeps the batch: "
+                "use it with study.kind=hparams."
             )
         if self.pruner not in PRUNERS:
             raise ValueError(f"study.pruner={self.pruner!r} is not a pruner; choose one of {list(PRUNERS)}.")

@@ -187,6 +187,8 @@ def _typed(cls: type, doc: Any, where: str, **checked: Any) -> Any:
         raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}.")
     kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
     for key, value in doc.items():
+        if value is None and str(known[key].type).endswith("| None"):
+            continue
         kind = kinds.get(str(known[key].type).split(" ")[0])
         if kind is None or isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise ValueError(f"{where}.{key}={value!r} is not a plain {known[key].type}.")

@@ -171,6 +171,10 @@ class Efficiency:
     elementwise_bytes_per_token`: norms, residual adds, activations, rotary, head-major copies, the loss's
     softmax) a step moves through device memory: 1 for eager PyTorch, less where a compiler fuses them;
     0: not modelled (a CPU's calibrated ``overhead`` carries it)."""
+    loss_traffic: float | None = None
+    """How many times eager PyTorch's cross-entropy traffic (:meth:`~lightning_scale.core.planner.shape.
+    ModelShape.loss_bytes_per_token`) the loss moves, where it differs from ``elementwise`` (a framework
+    that fuses the blocks' operators but not the loss's); None: ``elementwise``."""
     intra_link: float = 0.7
     inter_link: float = 0.7
     latency: float = 1.0

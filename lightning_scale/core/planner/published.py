@@ -162,6 +162,13 @@ class PublishedRecord:
     """Tensor-parallel communication overlapped (async TP): at the source's ``dp_overlap``."""
 
 
+MEGATRON_LOSS_TRAFFIC = 54 / 34
+"""Megatron-Core's loss against eager PyTorch's, in bytes moved per logit at bf16: its vocabulary-parallel
+cross entropy runs unfused unless ``cross_entropy_loss_fusion`` is set (``ModelParallelConfig``'s default is
+False): the logits written (2), cast to fp32 (6), their maximum (4), subtracted (8), exponentiated (8), summed
+(4) and divided (8) in place; backward, multiplied by the loss's gradient (8) and cast back (6): 54, where
+eager's fused log-softmax moves 34 (:meth:`~lightning_scale.core.planner.shape.ModelShape.loss_bytes_per_token`)."""
+
 SOURCES: dict[str, PublishedSource] = {
     s.name: s
     for s in (
@@ -178,6 +185,7 @@ SOURCES: dict[str, PublishedSource] = {
             replace(
                 HOPPER,
                 elementwise=0.5,
+                loss_traffic=MEGATRON_LOSS_TRAFFIC,
                 tp_overlap=HOPPER.dp_overlap,
                 source=HOPPER.source + "; Transformer Engine's fused kernels: half of eager's elementwise "
                 "traffic (norms fused into the next linear, bias-GeLU and bias-dropout-add fused); "
@@ -283,6 +291,7 @@ def _records() -> tuple[PublishedRecord, ...]:
                 4096,
                 tflops * 1e12 / shape.flops_per_token(4096),
                 dp_mode="fsdp_grad_op",
+                checkpointing="none",  # Megatron-Core's default: recompute_granularity None
                 sequence_parallel=tp > 1,
                 schedules=(
                     ("1f1b", 1),

@@ -152,6 +152,30 @@ class ModelShape:
         gradient from the saved output and the incoming gradient (``12``) and the cast back (``4 + a``)."""
         return self.vocab_size * (3 * activation_bytes + 28)
 
+    def gemm_size(self, tokens: float, tp: int = 1) -> float:
+        """The blocks' matmuls' effective size at ``tokens`` rows a micro-batch, their columns split over
+        ``tp`` ranks: the FLOP-weighted harmonic mean of each matmul's ``1 / (1/M + 1/N + 1/K)`` (its
+        FLOPs per element it reads and writes; about its smallest dimension when one is much smaller than
+        the others, larger when all are large). The backward's two matmuls of each weight have the same
+        three dimensions. Per matmul, ``(M, N, K)``: queries, keys and values ``(T, (H + 2 K) Q / tp, d)``,
+        the output projection ``(T, d, H Q / tp)``, the MLP's input (each of a gated MLP's two)
+        ``(T, F / tp, d)`` and output ``(T, d, F / tp)``."""
+        d, q, f = self.d_model, self.head_dim, self.d_ff
+        qkv = (self.n_heads + 2 * self.n_kv_heads) * q
+        gemms = [  # (FLOPs weight, N, K)
+            (d * qkv, qkv / tp, d),
+            (d * self.n_heads * q, d, self.n_heads * q / tp),
+            ((2 if self.gated_mlp else 1) * d * f, f / tp, d),
+            (d * f, d, f / tp),
+        ]
+        total = sum(w for w, _, _ in gemms)
+        inverse = sum(w * (1 / tokens + 1 / max(n, 1.0) + 1 / max(k, 1.0)) for w, n, k in gemms) / total
+        return 1.0 / inverse
+
+    def head_gemm_size(self, tokens: float, tp: int = 1) -> float:
+        """The head's matmul ``(T, V / tp, d)`` as :meth:`gemm_size` measures it."""
+        return 1.0 / (1 / tokens + tp / self.vocab_size + 1 / self.d_model)
+
     def head_flops_per_token(self) -> float:
         return 6.0 * self.vocab_size * self.d_model
 

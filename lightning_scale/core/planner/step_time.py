@@ -5,14 +5,16 @@ operation at its own rate:
 
 - ``compute``: the rank's GEMM FLOPs (``6 n`` per token and block, the head's ``6 V d`` on the last
   stage) divided by ``tp``, at the device's peak for the compute dtype times :attr:`Efficiency.compute`,
-  scaled down for small matmuls (``n / (n + matmul_half)``, ``n`` the smallest GEMM dimension);
+  scaled down for small matmuls (``n / (n + matmul_half)``, ``n`` the matmuls' size, their FLOPs per element
+  moved: :meth:`~lightning_scale.core.planner.shape.ModelShape.gemm_size`, the head's ``head_gemm_size``);
 - ``attention``: the ``12 H Q T`` per token and block that MFU counts
   (:meth:`~lightning_scale.core.planner.shape.ModelShape.attention_flops_per_token`); a fused causal
   kernel executes half of it at :attr:`Efficiency.attention` of the peak (less for short sequences:
   ``T / (T + attention_half)``); without one (``attention`` 0) the whole product runs at the GEMM rate;
 - ``elementwise``: the eager operators' bytes (norms, residual adds, activations, rotary, head-major
   copies, the loss's softmax; :meth:`~lightning_scale.core.planner.shape.ModelShape.elementwise_bytes_per_token`)
-  times :attr:`Efficiency.elementwise`, at :attr:`Efficiency.memory` of the device's memory bandwidth;
+  times :attr:`Efficiency.elementwise` (the loss's times :attr:`Efficiency.loss_traffic` where set), at
+  :attr:`Efficiency.memory` of the device's memory bandwidth;
 - ``recompute``: the forwards activation checkpointing runs again in the backward (a third of the
   checkpointed blocks' GEMMs, attention and traffic; their forward's share of the fixed cost is in ``overhead``);
 - ``tensor_parallel``: per block and micro-batch, two all-reduces forward and two backward (all-gather
@@ -129,14 +131,15 @@ def estimate_time(
     s = workload.seq_len
     tokens_mb = candidate.micro_batch * s / c  # context parallel: each rank a part of every sequence
     blocks = rank_blocks(shape, p)
-    smallest = min(tokens_mb, max(shape.d_model // t, 1))
-    rate = peak * eff.compute * smallest / (smallest + eff.matmul_half)
-    head_rate = rate
+    size = shape.gemm_size(tokens_mb, t)
+    rate = peak * eff.compute * size / (size + eff.matmul_half)
+    head_size = shape.head_gemm_size(tokens_mb, t)
+    head_rate = peak * eff.compute * head_size / (head_size + eff.matmul_half)
     if candidate.float8:  # the blocks' linears in float8; the head and attention stay in the compute dtype
         fp8 = cluster.device.peak("float8")
         if not fp8:
             raise ValueError(f"{cluster.device.name} has no float8 peak: plan float8 layouts on H100-class devices.")
-        rate = fp8 * eff.compute * eff.float8_gemm * smallest / (smallest + eff.matmul_half)
+        rate = fp8 * eff.compute * eff.float8_gemm * size / (size + eff.matmul_half)
     # A fused causal attention kernel executes half the FLOPs MFU counts, at its own rate; without one
     # (``attention`` 0) the full product runs as plain matmuls.
     if eff.attention:
@@ -163,11 +166,11 @@ def estimate_time(
     block_bytes = shape.elementwise_bytes_per_token(a, residual) / t * tokens_mb
     if candidate.float8:  # each linear's input, weight and output gradient scaled (amax) and cast, unfused
         block_bytes += (shape.float8_cast_elements_per_token() * tokens_mb + 2 * shape.block_matmul_parameters) * 5 / t
+    loss_traffic = eff.elementwise if eff.loss_traffic is None else eff.loss_traffic
     elementwise = (
-        eff.elementwise
-        * ((blocks + recomputed / 3) * block_bytes + shape.loss_bytes_per_token(a) / t * tokens_mb)
-        / hbm
-    )
+        eff.elementwise * (blocks + recomputed / 3) * block_bytes
+        + loss_traffic * shape.loss_bytes_per_token(a) / t * tokens_mb
+    ) / hbm
 
     # A collective's step waits for every member to run: processes sharing cores wait their turn too.
     slowdown = cluster.device.slowdown
@@ -294,6 +297,7 @@ def estimate_time(
     inputs = {
         "peak_flops": peak,
         "matmul_rate": rate,
+        "head_rate": head_rate,
         "attention_rate": attention_rate,
         "memory_bandwidth": hbm,
         "microbatches": m,
@@ -314,7 +318,9 @@ def estimate_time(
             "gemm_flops_per_microbatch": blocks * gemm_flops + shape.head_flops_per_token() * tokens_mb / t,
             "microbatches": m,
             "gemm_rate": rate,
-            "smallest_gemm_dim": smallest,
+            "gemm_size": size,
+            "head_gemm_size": head_size,
+            "head_rate": head_rate,
             "float8": str(candidate.float8),
         },
         "attention": {
