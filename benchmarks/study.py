@@ -146,7 +146,7 @@ def hparams(
     return {
         "hp_trials": len(grid["state"]["trials"]),
         "hp_equal_tokens": equal_tokens,
-        "hp_rungs": rungs or f"every {val_every}",
+        "hp_rungs": rungs or "the study's default",
         "hp_pruned": sum(t["status"] == "pruned" for t in study["state"]["trials"].values()),
         "hp_winner": s_name,
         "hp_grid_best": g_name,
