@@ -14,8 +14,8 @@
 - ``hparams``: learning rate x global batch size (:data:`HPARAMS`, 9 trials, 2 processes, ``--hp-steps``
   steps, validation every ``--hp-val-every``): successive halving (eta 3) on validation loss, against the
   grid of every trial to the end: ``hp_val_loss_gap`` (the study's best over the grid's best, minus one;
-  target <= 0.02) and ``hp_cost_vs_grid`` (target <= 0.5). ``--hp-rungs`` sets the rungs (default: every
-  validation); ``--hp-equal-tokens`` runs study and grid at equal data (``study.equal_tokens=true``: a trial
+  target <= 0.02) and ``hp_cost_vs_grid`` (target <= 0.5). ``--hp-rungs`` sets the rungs (default: successive
+  halving's geometric schedule), ``--hp-rung-tolerance`` its ``study.rung_tolerance``; ``--hp-equal-tokens`` runs study and grid at equal data (``study.equal_tokens=true``: a trial
   of twice the batch takes half the steps).
 
 Device-seconds are each job's wall time (its processes' start included) times its processes. The two
@@ -122,6 +122,7 @@ def hparams(
     *,
     rungs: str | None = None,
     equal_tokens: bool = False,
+    rung_tolerance: float | None = None,
 ) -> dict[str, Any]:
     common = [
         "trainer.devices=2",
@@ -134,7 +135,8 @@ def hparams(
         *(["study.equal_tokens=true"] if equal_tokens else []),
         *axes,
     ]
-    study = _study(workdir, name, [*common, "study.pruner=successive_halving", "study.eta=3"])
+    tolerance = [f"study.rung_tolerance={rung_tolerance}"] if rung_tolerance is not None else []
+    study = _study(workdir, name, [*common, "study.pruner=successive_halving", "study.eta=3", *tolerance])
     grid = _study(workdir, f"{name}_grid", [*common, "study.pruner=none"])
 
     def best(run: dict[str, Any]) -> tuple[str, float]:
@@ -147,6 +149,7 @@ def hparams(
         "hp_trials": len(grid["state"]["trials"]),
         "hp_equal_tokens": equal_tokens,
         "hp_rungs": rungs or "the study's default",
+        "hp_rung_tolerance": study["state"]["options"]["rung_tolerance"],
         "hp_pruned": sum(t["status"] == "pruned" for t in study["state"]["trials"].values()),
         "hp_winner": s_name,
         "hp_grid_best": g_name,
@@ -170,6 +173,9 @@ def main() -> None:
     parser.add_argument("--hp-batch", default=HPARAMS[1].split("=")[1], help="global batch sizes, comma-separated")
     parser.add_argument("--hp-name", default="hparams", help="the hyper-parameter studies' names (name, name_grid)")
     parser.add_argument("--hp-rungs", default=None, help="successive halving's rungs, comma-separated steps")
+    parser.add_argument(
+        "--hp-rung-tolerance", type=float, default=None, help="study.rung_tolerance (default: the study's, 0)"
+    )
     parser.add_argument(
         "--hp-equal-tokens", action="store_true", help="every trial on the same tokens (study.equal_tokens=true)"
     )
@@ -196,6 +202,7 @@ def main() -> None:
                 args.hp_name,
                 rungs=args.hp_rungs,
                 equal_tokens=args.hp_equal_tokens,
+                rung_tolerance=args.hp_rung_tolerance,
             )
         )
     emit("study", report, RESULTS / "study.json")

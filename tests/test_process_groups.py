@@ -3,6 +3,7 @@ finished run: "terminate called without an active exception", status 134)."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from helpers.distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scale.core.parallel.process_groups import communication_threads, end_process_groups
 
@@ -24,6 +26,12 @@ def _mesh_run_then_end(rank: int, world_size: int) -> dict[str, list[str]]:
     mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
     weight = distribute_tensor(torch.randn(8, 8), mesh["tp"], [Shard(0)])
     (weight @ weight).full_tensor()  # collectives on the tensor-parallel group
+    # A DDP module a run that raised left alive, held where the collector cannot see it (as a Lightning
+    # trainer was after a preemption): a reference count no Python object accounts for.
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=mesh.get_group("dp"))
+    ddp(torch.randn(2, 4)).sum().backward()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(ddp))
+    del ddp
     during = communication_threads()
     dist.barrier()
     dist.destroy_process_group()  # torch's own references go; the meshes still hold the groups

@@ -27,13 +27,15 @@ Imports from ``cli``: ``environment``, ``job_config``, ``plan_calibrate``, ``res
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from fractions import Fraction
 from pathlib import Path
@@ -47,7 +49,15 @@ from lightning_scale.cli.results import RESULTS_FILE, read_json
 from lightning_scale.cli.resume import resumable_checkpoint
 from lightning_scale.cli.run import checkpoint_step, prepare_job
 from lightning_scale.cli.study_report import write_report
-from lightning_scale.cli.study_state import METRICS, StudyOptions, StudyState, rung_metric, should_prune
+from lightning_scale.cli.study_state import (
+    METRICS,
+    StudyOptions,
+    StudyState,
+    halving_survivors,
+    log_points,
+    rung_metric,
+    should_prune,
+)
 from lightning_scale.cli.sweep_launch import LOG_FILE, torchrun
 
 __all__ = ["Study", "compose_job", "main", "parse_options"]
@@ -274,10 +284,18 @@ class Study:
 
     # ------------------------------------------------------------------ trials
 
-    def run_trial(self, name: str, overrides: list[str], index: int, pause_at: int | None = None) -> dict[str, Any]:
+    def run_trial(
+        self,
+        name: str,
+        overrides: list[str],
+        index: int,
+        pause_at: int | None = None,
+        goes_on: Callable[[int], bool] | None = None,
+    ) -> dict[str, Any]:
         """Run one trial to its end or its pruning (nothing when it finished or was pruned before); with
         ``pause_at``, until its metric at that rung is read, then stop it (a checkpoint committed: status
-        ``paused``, resumed by the next call)."""
+        ``paused``, resumed by the next call), unless ``goes_on(rung)`` says it is kept there already: then
+        it runs on, without a stop and a relaunch, to the next rung (or its end)."""
         record = self.state.trial(name, overrides=overrides, index=index)
         if "order" not in record:  # the pruner compares a trial with those that started before it
             record["order"] = sum("order" in t for t in self.state.trials.values())
@@ -322,20 +340,29 @@ class Study:
             if self.spent():
                 decision.update(reason="the study's budget was spent")
                 return True
-            if (
-                pause_at is not None
-                and self._at_rungs(record, log, {}, prune=False)
-                and str(pause_at) in record["rungs"]
-            ):
-                decision.update(paused=pause_at)
+            nonlocal pause_at
+            behind = self._behind_the_best(record, log)
+            if behind:
+                decision.update(behind)
                 return True
-            return pause_at is None and self._at_rungs(record, log, decision)
+            if pause_at is None:
+                return self._at_rungs(record, log, decision)
+            self._at_rungs(record, log, {}, prune=False)
+            while pause_at is not None and str(pause_at) in record["rungs"]:
+                if goes_on is None or not goes_on(pause_at):
+                    decision.update(paused=pause_at)
+                    return True
+                value = record["rungs"][str(pause_at)]
+                say(f"{name}: kept at rung {pause_at} ({self.options.metric} {value}) while running: runs on")
+                pause_at = next((r for r in self.rungs if r > pause_at), None)
+            return False
 
         say(f"{name}: started ({layout['name']}, {record['world_size']} process(es)); log: {log}")
         code = torchrun(cfg, config_file, log, name, watch=watch, poll_s=self.options.poll_s)
         record["device_s"] = before + (time.monotonic() - start) * record["world_size"]
         if not decision:
             self._at_rungs(record, log, {})  # rungs passed since the last look
+        self._behind_the_best(record, log, judge=False)  # the validations since the last look
         results = read_json(run_dir / RESULTS_FILE) or {}
         if decision and code == 0 and results.get("status") == "completed":
             decision = {}  # it finished before the signal reached it: a completed trial
@@ -359,6 +386,45 @@ class Study:
             say(f"{name}: failed (exit code {code}); log: {log}")
         self.state.save()
         return record
+
+    def _behind_the_best(self, record: dict[str, Any], log: Path, *, judge: bool = True) -> dict[str, Any] | None:
+        """Successive halving with a ``rung_tolerance``: record the trial's validations (``curve``, by the config's
+        steps) and, with ``judge``, the stop of a trial more than ``rung_tolerance`` behind the best value another
+        trial had at one of them off the rungs (the rungs are successive halving's). Trials kept at a rung as a
+        tie are settled this way as they run on."""
+        if self.options.kind != "hparams" or self.options.pruner != "successive_halving":
+            return None
+        curve = record.setdefault("curve", {})
+        scale, rungs, tolerance = (
+            self.scale.get(record["name"], Fraction(1)),
+            set(self.rungs),
+            self.options.rung_tolerance,
+        )
+        for step, value in log_points(log, METRICS[str(self.options.metric)][1]):
+            at = Fraction(step) / scale
+            if at.denominator != 1 or str(at.numerator) in curve:
+                continue
+            curve[str(at.numerator)] = value
+            self.state.save()
+            others = [
+                t["curve"][str(at)]
+                for t in self.state.trials.values()
+                if t is not record and str(at) in t.get("curve", {})
+            ]
+            if not judge or tolerance <= 0 or at.numerator in rungs or not others:
+                continue
+            best = max(others) if self.options.maximise else min(others)
+            if math.isfinite(value) and abs(value - best) <= tolerance * abs(best):
+                continue
+            if self.options.better(value, best):
+                continue
+            return {
+                "reason": f"{self.options.metric} {value:.6g} at step {at}: more than rung_tolerance "
+                f"{tolerance} behind the best of {len(others)} other trial(s) there ({best:.6g})",
+                "value_at_prune": value,
+                "rung": at.numerator,
+            }
+        return None
 
     def _at_rungs(self, record: dict[str, Any], log: Path, decision: dict[str, Any], *, prune: bool = True) -> bool:
         """Record the rungs the trial's log has reached; with ``prune``, True when the pruner stops it at one
@@ -423,25 +489,27 @@ class Study:
         """Synchronous successive halving (Jamieson and Talwalkar 2016), as a driver that runs one job at a time
         does it: every trial to the first rung (paused there, its checkpoint committed), the best
         ``ceil(n / eta)`` resume to the next, and so on; the others are pruned at that rung. Which trials go on
-        does not depend on the order they run in."""
+        does not depend on the order they run in. A round's last trial meets its rung knowing every other value
+        there: when it is kept it runs on, sparing a stop, a checkpoint and a relaunch."""
         names = list(self.trials)
         alive = [n for n in names if self.state.trials.get(n, {}).get("status") not in ("pruned", "failed", "skipped")]
         for rung in [*self.rungs, None]:
             for name in alive:
                 record = self.state.trials.get(name, {})
                 if rung is not None and str(rung) in record.get("rungs", {}):
-                    continue  # reached this rung in an earlier run of the driver
-                self.run_trial(name, self.trials[name], names.index(name), pause_at=rung)
+                    continue  # reached this rung in an earlier run of the driver, or ran on to it
+                goes_on = functools.partial(self._kept_by_all, name, alive)
+                self.run_trial(name, self.trials[name], names.index(name), pause_at=rung, goes_on=goes_on)
             if rung is None:
                 break
             reached = [n for n in alive if str(rung) in self.state.trials[n]["rungs"]]
-            keep = max(1, -(-len(reached) // self.options.eta))
             ranked = sorted(
                 reached, key=lambda n: self.state.trials[n]["rungs"][str(rung)], reverse=self.options.maximise
             )
+            keep = len(halving_survivors(self.options, [self.state.trials[n]["rungs"][str(rung)] for n in ranked]))
             for name in ranked[keep:]:
                 record = self.state.trials[name]
-                if record["status"] == "paused":
+                if record["status"] in ("paused", "running"):
                     value = record["rungs"][str(rung)]
                     record.update(
                         status="pruned",
@@ -449,11 +517,28 @@ class Study:
                         rung=rung,
                         value_at_prune=value,
                         reason=f"{self.options.metric} {value:.6g} at step {rung}: not among the best {keep} of "
-                        f"{len(reached)} (successive_halving, eta {self.options.eta})",
+                        f"{len(reached)} (successive_halving, eta {self.options.eta}, rung_tolerance "
+                        f"{self.options.rung_tolerance})",
                     )
                     say(f"{name}: pruned at step {record['pruned_at']}: {record['reason']}")
             self.state.save()
-            alive = [n for n in ranked[:keep] if self.state.trials[n]["status"] == "paused"]
+            # The next rung's order: worst first, so the last to run (the one that learns, while it runs, that
+            # it is kept: it runs on without a stop and a relaunch) is the likeliest to be kept.
+            alive = [n for n in reversed(ranked[:keep]) if self.state.trials[n]["status"] in ("paused", "running")]
+
+    def _kept_by_all(self, name: str, alive: Sequence[str], rung: int) -> bool:
+        """Successive halving, asked while ``name`` runs: whether it goes on past ``rung`` whatever is still to
+        come; only when every other trial of the round has a value there (it is the round's last)."""
+        records = {n: self.state.trials.get(n, {}) for n in alive}
+        values = {
+            n: r.get("rungs", {}).get(str(rung))
+            for n, r in records.items()
+            if r.get("status") not in ("failed", "skipped", "pruned")
+        }
+        if any(v is None for v in values.values()):
+            return False
+        mine = values.pop(name)
+        return mine in halving_survivors(self.options, [mine, *values.values()])
 
     def _planned_steps(self) -> int:
         """Optimizer steps a hyper-parameter study plans: successive halving's whole schedule (every trial to

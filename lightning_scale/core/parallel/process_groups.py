@@ -33,6 +33,10 @@ _GRACE_S = 3.0
 """How long :func:`end_process_groups` waits for groups released just after it destroyed them."""
 
 
+_DDP_GROUP_HOLDERS = ("reducer", "logger", "process_group")
+"""A ``DistributedDataParallel``'s attributes that hold its process group (the reducer and its logger hold it in C++)."""
+
+
 def communication_threads() -> list[str]:
     """Names of this process's process-group threads still running (Linux; empty where
     ``/proc/self/task`` cannot be read)."""
@@ -65,6 +69,7 @@ def end_process_groups(*, barrier: bool) -> list[str]:
         dist.destroy_process_group()
     if dist.is_available():
         from torch.distributed.device_mesh import DeviceMesh
+        from torch.nn.parallel import DistributedDataParallel
 
         for obj in gc.get_objects():
             # By type, not isinstance: DeviceMesh's metaclass reads the object's attributes, and one of the
@@ -73,6 +78,11 @@ def end_process_groups(*, barrier: bool) -> list[str]:
                 registry = mesh_group_registry(obj)
                 if registry is not None:
                     registry.clear()
+            elif issubclass(type(obj), DistributedDataParallel):
+                # A run that raised can leave its DDP module alive, held where the collector cannot see
+                # (a reference from C++): its reducer and group would keep the group's threads running.
+                for name in _DDP_GROUP_HOLDERS:
+                    obj.__dict__.pop(name, None)
         gc.collect()
     # A group whose last reference goes a moment later (a background thread finishing an async
     # checkpoint's collective, a Work being released) joins its threads then: wait for that, briefly.
