@@ -15,8 +15,9 @@
   steps, validation every ``--hp-val-every``): successive halving (eta 3) on validation loss, against the
   grid of every trial to the end: ``hp_val_loss_gap`` (the study's best over the grid's best, minus one;
   target <= 0.02) and ``hp_cost_vs_grid`` (target <= 0.5). ``--hp-rungs`` sets the rungs (default: successive
-  halving's geometric schedule), ``--hp-rung-tolerance`` its ``study.rung_tolerance``; ``--hp-equal-tokens`` runs study and grid at equal data (``study.equal_tokens=true``: a trial
-  of twice the batch takes half the steps).
+  halving's schedule, :func:`lightning_scale.cli.study.halving_rungs`), ``--hp-rung-tolerance`` its
+  ``study.rung_tolerance``, ``--hp-set`` a training override for both; ``--hp-equal-tokens`` runs study and
+  grid at equal data (``study.equal_tokens=true``: a trial of twice the batch takes half the steps).
 
 Device-seconds are each job's wall time (its processes' start included) times its processes. The two
 studies of a part run one after the other on an otherwise idle machine. Prints ``BENCH study {json}`` last
@@ -174,6 +175,12 @@ def main() -> None:
     parser.add_argument("--hp-name", default="hparams", help="the hyper-parameter studies' names (name, name_grid)")
     parser.add_argument("--hp-rungs", default=None, help="successive halving's rungs, comma-separated steps")
     parser.add_argument(
+        "--hp-set",
+        action="append",
+        default=[],
+        help="a training override for study and grid (e.g. module.warmup_steps=32)",
+    )
+    parser.add_argument(
         "--hp-rung-tolerance", type=float, default=None, help="study.rung_tolerance (default: the study's, 0)"
     )
     parser.add_argument(
@@ -192,7 +199,7 @@ def main() -> None:
     if "layouts" in parts:
         report.update(layouts(workdir, args.layout_steps, args.k))
     if "hparams" in parts:
-        axes = [f"module.learning_rate={args.hp_lr}", f"data.global_batch_size={args.hp_batch}"]
+        axes = [*args.hp_set, f"module.learning_rate={args.hp_lr}", f"data.global_batch_size={args.hp_batch}"]
         report.update(
             hparams(
                 workdir,

@@ -10,13 +10,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lightning_scale.cli.study import Study, halving_rungs, main, parse_options
-from lightning_scale.cli.study_state import StudyOptions, halving_survivors, log_points, rung_metric, should_prune
+from lightning_scale.cli.study_state import (
+    StudyOptions,
+    StudyState,
+    halving_survivors,
+    log_points,
+    rung_metric,
+    should_prune,
+)
 
 # A small job of 2 processes: 16 steps, validation every 8 (the rung at 8).
 SMALL = [
@@ -74,8 +82,9 @@ def test_a_rung_tolerance_keeps_the_trials_too_close_to_the_cut_to_tell_apart() 
 
 
 def test_with_a_rung_tolerance_a_trial_further_behind_the_best_at_a_validation_stops_there(tmp_path: Path) -> None:
-    """Ties kept at a rung are settled as they run on: off the rungs, a trial more than ``rung_tolerance``
-    behind the best value another trial had at the same step stops; within it, or at a rung, it goes on."""
+    """Ties kept at the last rung are settled as they run on: past it, a trial more than ``rung_tolerance``
+    behind the best value another trial had at the same step stops; within it, or up to the last rung, it
+    goes on."""
 
     def study(tolerance: float) -> Study:
         options = parse_options(
@@ -94,20 +103,34 @@ def test_with_a_rung_tolerance_a_trial_further_behind_the_best_at_a_validation_s
     for step, loss in [(4, 3.0), (8, 2.5), (12, 2.0)]:
         validate(logs[0], step, loss)
     assert s._behind_the_best(first, logs[0]) is None and first["curve"] == {"4": 3.0, "8": 2.5, "12": 2.0}
-    validate(logs[1], 4, 3.029)  # 0.97% behind: a tie, goes on
+    validate(logs[1], 4, 3.5)  # 17% behind, but before the last rung: the rungs judge there
     assert s._behind_the_best(second, logs[1]) is None
-    validate(logs[1], 8, 2.9)  # 16% behind, but at the rung: successive halving's to judge
+    validate(logs[1], 8, 2.9)  # at the rung: successive halving's to judge
     assert s._behind_the_best(second, logs[1]) is None
-    validate(logs[1], 12, 2.031)  # 1.55% behind at step 12
+    validate(logs[1], 12, 2.0199)  # 0.995% behind: a tie, goes on
+    assert s._behind_the_best(second, logs[1]) is None
+    validate(logs[0], 16, 1.8)
+    s._behind_the_best(first, logs[0])
+    validate(logs[1], 16, 1.83)  # 1.67% behind at step 16
     stop = s._behind_the_best(second, logs[1])
-    assert stop is not None and stop["rung"] == 12 and stop["value_at_prune"] == 2.031
-    assert "more than rung_tolerance 0.01 behind the best of 1 other trial(s) there (2)" in stop["reason"]
+    assert stop is not None and stop["rung"] == 16 and stop["value_at_prune"] == 1.83
+    assert "more than rung_tolerance 0.01 behind the best of 1 other trial(s) there (1.8)" in stop["reason"]
     validate(logs[2], 12, float("nan"))
     assert s._behind_the_best(third, logs[2]) is not None  # a diverged trial stops
     classic = study(0.0)  # classic successive halving judges at the rungs only
     for i, n in enumerate("abc"):
         classic.state.trial(n, order=i)
     assert [classic._behind_the_best(classic.state.trials[n], log) for n, log in zip("abc", logs)] == [None] * 3
+
+
+def test_a_study_stored_before_an_option_existed_resumes_unless_this_run_sets_that_option(tmp_path: Path) -> None:
+    options = StudyOptions(kind="hparams", pruner="successive_halving")
+    stored = {k: v for k, v in asdict(options).items() if k != "rung_tolerance"}  # as written before it existed
+    (tmp_path / "study.json").write_text(json.dumps({"options": stored, "base_overrides": ["a=1"], "trials": {}}))
+    assert StudyState(tmp_path / "study.json", options, ["a=1"]).doc["options"] == asdict(options)
+    changed = StudyOptions(kind="hparams", pruner="successive_halving", rung_tolerance=0.01)
+    with pytest.raises(ValueError, match="holds a study with other options or overrides"):
+        StudyState(tmp_path / "study.json", changed, ["a=1"])
 
 
 @pytest.mark.parametrize(
@@ -134,11 +157,12 @@ def test_bad_options_are_refused_naming_the_value_and_the_fix(args: list[str], m
         parse_options(args)
 
 
-def test_successive_halvings_default_rungs_are_its_geometric_schedule_at_validation_steps() -> None:
-    assert halving_rungs(270, 30, 9, 3) == [30, 90]  # 9 -> 3 -> 1
-    assert halving_rungs(300, 50, 9, 3) == [50, 100]  # 300 / 9 = 33: the first validation at least
+def test_successive_halvings_default_rungs_are_its_geometric_schedule_with_the_last_at_mid_run() -> None:
+    assert halving_rungs(270, 30, 9, 3) == [30, 150]  # 9 -> 3 -> 1; the last rung at mid-run, not at 90
+    assert halving_rungs(300, 50, 9, 3) == [50, 150]  # 300 / 9 = 33: the first validation at least
     assert halving_rungs(16, 8, 2, 2) == [8]
-    assert halving_rungs(810, 10, 10, 3) == [30, 90, 270]  # 10 -> 4 -> 2 -> 1
+    assert halving_rungs(810, 10, 10, 3) == [30, 90, 410]  # 10 -> 4 -> 2 -> 1; 405 -> the validation after
+    assert halving_rungs(540, 60, 16, 3) == [60, 300]  # 27ths and 9ths both at the first validation
     assert halving_rungs(100, 10, 1, 3) == []
 
 

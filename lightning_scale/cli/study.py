@@ -102,13 +102,19 @@ def _grid(overrides: Sequence[str]) -> tuple[list[str], list[list[str]]]:
 
 
 def halving_rungs(steps: int, every: int, trials: int, eta: int) -> list[int]:
-    """Successive halving's geometric schedule (Jamieson and Talwalkar 2016): ``n`` trials fall to one in
-    ``K`` rounds of keeping ``ceil(n / eta)``; its rungs are at ``steps / eta^K, ..., steps / eta``, each at the
-    validation at or before it (the first validation at least)."""
+    """Successive halving's geometric schedule (Jamieson and Talwalkar 2016), its last rung moved to mid-run:
+    ``n`` trials fall to one in ``K`` rounds of keeping ``ceil(n / eta)``, at ``steps / eta^K, ...,
+    steps / eta^2`` (each at the validation at or before it, the first validation at least) and, last, at the
+    first validation at or past ``steps / 2`` instead of ``steps / eta``. Under a decaying learning rate a
+    higher rate's loss lags until the decay (short-horizon bias): on the bundled corpus the best trial was
+    1.4% behind at a third of the run and ahead from half of it (docs/studies.md)."""
     rounds, left = 0, trials
     while left > 1:
         left, rounds = -(-left // eta), rounds + 1
-    rungs = {max(every, int(steps / eta**k) // every * every) for k in range(rounds, 0, -1)}
+    if rounds == 0:
+        return []
+    rungs = {max(every, int(steps / eta**k) // every * every) for k in range(rounds, 1, -1)}
+    rungs.add(-(-steps // (2 * every)) * every)
     return sorted(r for r in rungs if r < steps)
 
 
@@ -390,14 +396,15 @@ class Study:
     def _behind_the_best(self, record: dict[str, Any], log: Path, *, judge: bool = True) -> dict[str, Any] | None:
         """Successive halving with a ``rung_tolerance``: record the trial's validations (``curve``, by the config's
         steps) and, with ``judge``, the stop of a trial more than ``rung_tolerance`` behind the best value another
-        trial had at one of them off the rungs (the rungs are successive halving's). Trials kept at a rung as a
-        tie are settled this way as they run on."""
+        trial had at one of them past the last rung. Trials kept at the last rung as a tie are settled this way
+        as they run on; before it, the rungs judge (where the user placed them: a learning rate that lags
+        mid-run and wins at the end is not stopped in between)."""
         if self.options.kind != "hparams" or self.options.pruner != "successive_halving":
             return None
         curve = record.setdefault("curve", {})
-        scale, rungs, tolerance = (
+        scale, last, tolerance = (
             self.scale.get(record["name"], Fraction(1)),
-            set(self.rungs),
+            max(self.rungs, default=0),
             self.options.rung_tolerance,
         )
         for step, value in log_points(log, METRICS[str(self.options.metric)][1]):
@@ -411,7 +418,7 @@ class Study:
                 for t in self.state.trials.values()
                 if t is not record and str(at) in t.get("curve", {})
             ]
-            if not judge or tolerance <= 0 or at.numerator in rungs or not others:
+            if not judge or tolerance <= 0 or at.numerator <= last or not others:
                 continue
             best = max(others) if self.options.maximise else min(others)
             if math.isfinite(value) and abs(value - best) <= tolerance * abs(best):

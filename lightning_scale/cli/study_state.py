@@ -71,7 +71,7 @@ class StudyOptions:
     of the extra trials' steps; 0 is classic successive halving."""
     rungs: list[int] | None = None
     """The steps at which the pruner looks (default: layouts, half the steps; hparams, every validation, and
-    under successive halving its geometric schedule: :func:`~lightning_scale.cli.study.halving_rungs`)."""
+    under successive halving its geometric schedule, the last rung at mid-run: :func:`~lightning_scale.cli.study.halving_rungs`)."""
     equal_tokens: bool = False
     """hparams: every trial trains on the tokens of the config's own batch over ``trainer.max_steps`` (a trial
     of twice the batch, or of twice the sequence, takes half the steps), and validates and meets its rungs at
