@@ -399,37 +399,38 @@ class Study:
         trial had at one of them past the last rung. Trials kept at the last rung as a tie are settled this way
         as they run on; before it, the rungs judge (where the user placed them: a learning rate that lags
         mid-run and wins at the end is not stopped in between)."""
-        if self.options.kind != "hparams" or self.options.pruner != "successive_halving":
-            return None
+        tolerance = self.options.rung_tolerance
+        if self.options.kind != "hparams" or self.options.pruner != "successive_halving" or tolerance <= 0:
+            return None  # nothing to settle: no log read at every poll
         curve = record.setdefault("curve", {})
-        scale, last, tolerance = (
-            self.scale.get(record["name"], Fraction(1)),
-            max(self.rungs, default=0),
-            self.options.rung_tolerance,
-        )
+        scale, last = self.scale.get(record["name"], Fraction(1)), max(self.rungs, default=0)
+        new = {}
         for step, value in log_points(log, METRICS[str(self.options.metric)][1]):
             at = Fraction(step) / scale
-            if at.denominator != 1 or str(at.numerator) in curve:
-                continue
-            curve[str(at.numerator)] = value
-            self.state.save()
+            if at.denominator == 1 and str(at.numerator) not in curve:
+                new[at.numerator] = value
+        if not new:
+            return None
+        curve.update({str(at): value for at, value in new.items()})
+        self.state.save()
+        for at, value in new.items():
             others = [
                 t["curve"][str(at)]
                 for t in self.state.trials.values()
                 if t is not record and str(at) in t.get("curve", {})
             ]
-            if not judge or tolerance <= 0 or at.numerator <= last or not others:
+            if not judge or at <= last or not others:
                 continue
             best = max(others) if self.options.maximise else min(others)
-            if math.isfinite(value) and abs(value - best) <= tolerance * abs(best):
-                continue
-            if self.options.better(value, best):
+            if (math.isfinite(value) and abs(value - best) <= tolerance * abs(best)) or self.options.better(
+                value, best
+            ):
                 continue
             return {
                 "reason": f"{self.options.metric} {value:.6g} at step {at}: more than rung_tolerance "
                 f"{tolerance} behind the best of {len(others)} other trial(s) there ({best:.6g})",
                 "value_at_prune": value,
-                "rung": at.numerator,
+                "rung": at,
             }
         return None
 
@@ -536,11 +537,10 @@ class Study:
     def _kept_by_all(self, name: str, alive: Sequence[str], rung: int) -> bool:
         """Successive halving, asked while ``name`` runs: whether it goes on past ``rung`` whatever is still to
         come; only when every other trial of the round has a value there (it is the round's last)."""
-        records = {n: self.state.trials.get(n, {}) for n in alive}
         values = {
             n: r.get("rungs", {}).get(str(rung))
-            for n, r in records.items()
-            if r.get("status") not in ("failed", "skipped", "pruned")
+            for n in alive
+            if (r := self.state.trials.get(n, {})).get("status") not in ("failed", "skipped", "pruned")
         }
         if any(v is None for v in values.values()):
             return False

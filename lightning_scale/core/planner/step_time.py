@@ -131,15 +131,19 @@ def estimate_time(
     s = workload.seq_len
     tokens_mb = candidate.micro_batch * s / c  # context parallel: each rank a part of every sequence
     blocks = rank_blocks(shape, p)
+
+    def gemm_rate(flops: float, size: float) -> float:  # a peak's achieved share for matmuls of that size
+        return flops * eff.compute * size / (size + eff.matmul_half)
+
     size = shape.gemm_size(tokens_mb, t)
-    rate = peak * eff.compute * size / (size + eff.matmul_half)
+    rate = gemm_rate(peak, size)
     head_size = shape.head_gemm_size(tokens_mb, t)
-    head_rate = peak * eff.compute * head_size / (head_size + eff.matmul_half)
+    head_rate = gemm_rate(peak, head_size)
     if candidate.float8:  # the blocks' linears in float8; the head and attention stay in the compute dtype
         fp8 = cluster.device.peak("float8")
         if not fp8:
             raise ValueError(f"{cluster.device.name} has no float8 peak: plan float8 layouts on H100-class devices.")
-        rate = fp8 * eff.compute * eff.float8_gemm * size / (size + eff.matmul_half)
+        rate = gemm_rate(fp8 * eff.float8_gemm, size)
     # A fused causal attention kernel executes half the FLOPs MFU counts, at its own rate; without one
     # (``attention`` 0) the full product runs as plain matmuls.
     if eff.attention:
